@@ -1,0 +1,45 @@
+# uqbench — `make help` lists the targets.
+SHELL := /bin/bash
+PY    ?= python3.11
+VENV  := .venv
+BIN   := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Offline by default: no Hub or W&B call ever waits on a network that is not there.
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+export WANDB_MODE ?= offline
+export TOKENIZERS_PARALLELISM ?= false
+
+.DEFAULT_GOAL := help
+.PHONY: help setup demo test test-slow tables lint bench clean-runs
+
+help:  ## Show this help
+	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml constraints.txt
+	@command -v $(PY) >/dev/null || { echo "error: $(PY) not found; install Python 3.11 or run 'make PY=python3 setup'"; exit 1; }
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)  ## Create .venv and install uqbench with pinned dependencies
+
+demo: $(STAMP)  ## Run the paper-2 width sweep (embedded vs learned variance) and print its table
+	$(BIN)/uqbench -m experiment=p2_width_sweep seed=0,1 skip_existing=true hydra/launcher=joblib
+	$(BIN)/uqbench-tables --experiment p2_width_sweep
+
+test: $(STAMP)  ## Run the default (fast) test suite
+	$(BIN)/pytest -q
+
+test-slow: $(STAMP)  ## Run the slow tests only
+	$(BIN)/pytest -q -m slow
+
+tables: $(STAMP)  ## Build every experiment's table from runs/**/results.json into tables/
+	$(BIN)/uqbench-tables
+
+lint: $(STAMP)  ## Lint with ruff
+	$(BIN)/ruff check uqbench tests
+
+clean-runs:  ## Delete runs/ (asks first)
+	@read -p "Delete everything under runs/? [y/N] " a && [ "$$a" = y ] && rm -rf runs/*/ || echo kept

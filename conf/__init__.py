@@ -1,0 +1,1 @@
+"""Hydra configs, installed as the package uqbench.conf (see pyproject.toml)."""

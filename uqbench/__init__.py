@@ -1,0 +1,3 @@
+"""uqbench: a command-line experiment runner for uncertainty quantification research."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,77 @@
+"""The contract every dataset fulfils.
+
+A dataset is built by Hydra from ``conf/dataset/<name>.yaml``. The runner calls
+``setup(backbone)`` once (preprocessing can depend on the backbone: image size, mean/std,
+tokenizer), then asks for loaders by split name. Loaders yield ``(inputs, targets)``.
+
+Split kinds, declared by the dataset, tell the runner what to compute on each split:
+
+- ``train`` / ``val``: training and model selection (``val`` may be absent).
+- ``eval_splits``: evaluated with the task's standard metrics, keyed ``<split>/<metric>``.
+  A split named ``a/b/c`` (e.g. ``test_c/fog/3``) is keyed ``a/b/c/<metric>`` and all splits
+  sharing the first part are also averaged into ``a/mean/<metric>``.
+- ``ood_splits``: out-of-distribution sets. Regression: standard metrics under ``<split>/``.
+  Classification: detection metrics against ``test`` (``ood/auroc_mi`` …).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.utils.data import DataLoader, Dataset
+
+from uqbench.methods.base import DataInfo
+
+
+class DataModule:
+    name: str = "data"
+    task: str = "classification"
+    eval_splits: tuple[str, ...] = ("test",)
+    ood_splits: tuple[str, ...] = ()
+
+    def __init__(self, batch_size: int = 32, eval_batch_size: int | None = None,
+                 num_workers: int = 0, pin_memory: bool = False) -> None:
+        if batch_size < 1:
+            raise ValueError(f"dataset.batch_size must be >= 1, got {batch_size}")
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+
+    # -- to implement -------------------------------------------------------------------------
+    def setup(self, backbone: Any = None) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def dataset(self, split: str) -> Dataset:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    @property
+    def info(self) -> DataInfo:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def settings(self) -> dict[str, Any]:
+        """Key settings recorded in results.json."""
+        return {}
+
+    collate_fn = None  # set by datasets whose items need custom batching (e.g. tokenisation)
+
+    # -- shared -------------------------------------------------------------------------------
+    @property
+    def has_val(self) -> bool:
+        return True
+
+    def loader(self, split: str, train: bool = False) -> DataLoader:
+        return DataLoader(
+            self.dataset(split),
+            batch_size=self.batch_size if train else self.eval_batch_size,
+            shuffle=train,
+            drop_last=False,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.num_workers > 0,
+            collate_fn=self.collate_fn,
+        )
+
+    def num_train_batches(self) -> int:
+        n = len(self.dataset("train"))
+        return max(1, -(-n // self.batch_size))

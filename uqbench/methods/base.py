@@ -1,0 +1,90 @@
+"""The one contract every method fulfils, so that the runner never branches on a method's name.
+
+A method is an ``nn.Module`` built by Hydra from ``conf/method/<name>.yaml`` (``_partial_: true``)
+and then called with the backbone and the data's description::
+
+    method = instantiate(cfg.method)(backbone=backbone, info=data.info)
+
+Classification methods return member logits of shape (M, B, C) from ``forward``; regression
+methods return a :class:`RegressionOutput`. Both know how to compute their training loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+Batch = tuple[Any, torch.Tensor]  # (inputs, targets); inputs a tensor or a dict of tensors
+
+
+@dataclass
+class DataInfo:
+    """What a method needs to know about the data to build its heads.
+
+    task: "classification" or "regression".
+    num_classes: classes (classification) — the width of each member's head.
+    in_dim / out_dim: input features and targets (regression).
+    num_train_batches: batches per training epoch (the ELBO's KL weight defaults to its inverse).
+    """
+
+    task: str
+    num_classes: int | None = None
+    in_dim: int | None = None
+    out_dim: int | None = None
+    num_train_batches: int = 1
+
+
+@dataclass
+class RegressionOutput:
+    """Predictive distribution of a regression method, all tensors of shape (B, out_dim).
+
+    var is the total predictive variance; var_aleatoric is set where the method separates it.
+    """
+
+    mean: torch.Tensor
+    var: torch.Tensor
+    var_aleatoric: torch.Tensor | None = None
+
+
+class Method(nn.Module):
+    """Base class: subclasses set ``task`` and implement ``forward`` and ``loss``.
+
+    ``settings()`` returns the method's key settings (members, rank, variance, …) that go into
+    results.json and the run folder's name.
+    """
+
+    task: str = "classification"
+    name: str = "method"
+
+    def loss(self, batch: Batch) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def settings(self) -> dict[str, Any]:
+        return {}
+
+    def param_counts(self) -> dict[str, int]:
+        total = sum(p.numel() for p in self.parameters())
+        trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
+        return {"total": total, "trainable": trainable}
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """Copy of the trainable parameters only (cheap best-checkpoint for frozen backbones)."""
+        return {n: p.detach().clone() for n, p in self.named_parameters() if p.requires_grad}
+
+    def load_trainable_state(self, state: dict[str, torch.Tensor]) -> None:
+        params = dict(self.named_parameters())
+        with torch.no_grad():
+            for n, t in state.items():
+                params[n].copy_(t)
+
+
+def check_task(method: Method, info: DataInfo) -> None:
+    """Fail before any work if a method cannot serve the dataset's task."""
+    if method.task != info.task:
+        raise ValueError(
+            f"method '{method.name}' solves {method.task} but the dataset is a {info.task} task; "
+            f"choose a {info.task} method (see `uqbench --help` for the method group's options)"
+        )

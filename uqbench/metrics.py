@@ -1,0 +1,40 @@
+"""Metrics as pure functions of predictions and targets (fractions, never percent).
+
+Regression metrics take the predictive mean and total variance of a Gaussian predictive
+distribution; classification metrics take member probabilities of shape (M, N, C).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# --- regression ---------------------------------------------------------------------------
+
+
+def gaussian_nll(y: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+    """Mean Gaussian negative log-likelihood, constant included: ½[log 2πσ² + (y−μ)²/σ²]."""
+    return 0.5 * (torch.log(2 * math.pi * var) + (y - mean) ** 2 / var).mean()
+
+
+def rmse(y: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    return torch.sqrt(((y - mean) ** 2).mean())
+
+
+def interval_coverage(y: torch.Tensor, mean: torch.Tensor, var: torch.Tensor,
+                      k: float) -> torch.Tensor:
+    """Share of targets inside mean ± k·σ."""
+    return ((y - mean).abs() <= k * var.sqrt()).float().mean()
+
+
+def regression_metrics(y: torch.Tensor, mean: torch.Tensor,
+                       var: torch.Tensor) -> dict[str, float]:
+    """NLL, RMSE, ±1σ and ±2σ coverage and the mean predicted σ of one split."""
+    return {
+        "nll": gaussian_nll(y, mean, var).item(),
+        "rmse": rmse(y, mean).item(),
+        "coverage_1sigma": interval_coverage(y, mean, var, 1.0).item(),
+        "coverage_2sigma": interval_coverage(y, mean, var, 2.0).item(),
+        "mean_std": var.sqrt().mean().item(),
+    }
