@@ -25,7 +25,7 @@ def rmse(y: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
 def interval_coverage(y: torch.Tensor, mean: torch.Tensor, var: torch.Tensor,
                       k: float) -> torch.Tensor:
     """Share of targets inside mean ± k·σ."""
-    return ((y - mean).abs() <= k * var.sqrt()).float().mean()
+    return ((y - mean).abs() <= k * var.sqrt()).double().mean()
 
 
 def regression_metrics(y: torch.Tensor, mean: torch.Tensor,

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.utils.data import DataLoader, Dataset
+import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from uqbench.methods.base import DataInfo
 
@@ -60,10 +61,14 @@ class DataModule:
     def has_val(self) -> bool:
         return True
 
-    def loader(self, split: str, train: bool = False) -> DataLoader:
+    def loader(self, split: str, train: bool = False) -> DataLoader | TensorBatches:
+        dataset = self.dataset(split)
+        batch_size = self.batch_size if train else self.eval_batch_size
+        if isinstance(dataset, TensorDataset) and self.num_workers == 0:
+            return TensorBatches(dataset.tensors, batch_size, shuffle=train)
         return DataLoader(
-            self.dataset(split),
-            batch_size=self.batch_size if train else self.eval_batch_size,
+            dataset,
+            batch_size=batch_size,
             shuffle=train,
             drop_last=False,
             num_workers=self.num_workers,
@@ -75,3 +80,29 @@ class DataModule:
     def num_train_batches(self) -> int:
         n = len(self.dataset("train"))
         return max(1, -(-n // self.batch_size))
+
+
+class TensorBatches:
+    """Mini-batches of in-memory tensors by slicing: a DataLoader without per-item collation.
+
+    For small tabular data (the regression benchmarks) collation dominates a training step;
+    slicing whole tensors is ~10× cheaper. Shuffling draws from torch's global generator, so
+    it follows the run's seed.
+    """
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...], batch_size: int,
+                 shuffle: bool = False) -> None:
+        self.tensors, self.batch_size, self.shuffle = tensors, batch_size, shuffle
+
+    def __len__(self) -> int:
+        return -(-len(self.tensors[0]) // self.batch_size)
+
+    def __iter__(self):
+        n = len(self.tensors[0])
+        order = torch.randperm(n) if self.shuffle else None
+        for start in range(0, n, self.batch_size):
+            if order is None:
+                yield tuple(t[start:start + self.batch_size] for t in self.tensors)
+            else:
+                idx = order[start:start + self.batch_size]
+                yield tuple(t[idx] for t in self.tensors)

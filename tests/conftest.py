@@ -1,0 +1,29 @@
+"""Shared fixtures. Tests never touch the network: Hub and W&B run offline."""
+
+from __future__ import annotations
+
+import os
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+from hydra import compose, initialize_config_module  # noqa: E402
+from hydra.core.global_hydra import GlobalHydra  # noqa: E402
+
+import uqbench.run  # noqa: E402,F401  (registers the config resolvers)
+
+
+@pytest.fixture
+def compose_cfg():
+    """Compose the real conf/ with overrides, as the CLI would (without running)."""
+
+    def _compose(overrides: list[str] | None = None, return_hydra_config: bool = False):
+        GlobalHydra.instance().clear()
+        with initialize_config_module("uqbench.conf", version_base="1.3"):
+            return compose("config", overrides=overrides or [],
+                           return_hydra_config=return_hydra_config)
+
+    yield _compose
+    GlobalHydra.instance().clear()

@@ -1,0 +1,21 @@
+"""Helpers shared by tests (import them; fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, cwd: Path = ROOT, check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``python -m uqbench.run ARGS`` in a subprocess, as a user would from the shell."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "-m", "uqbench.run", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"uqbench {' '.join(args)} failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc

@@ -1,0 +1,106 @@
+"""The `uqbench` CLI end to end on the polynomial benchmark, and `uqbench-tables`."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from scipy.stats import norm
+
+from tests.helpers import run_cli
+from uqbench.tables import main as tables_main
+
+TINY = ["trainer.epochs=3", "trainer.progress=false", "dataset.n_train=200",
+        "dataset.n_val=50", "dataset.n_test=100", "dataset.n_ood=100", "logger=none"]
+
+
+def _results(run_dir):
+    return json.loads((run_dir / "results.json").read_text())
+
+
+def test_run_writes_results_and_predictions_that_recompute(tmp_path):
+    run_cli(*TINY, f"paths.runs_dir={tmp_path}", "backbone.width=4", "method.variance=learned",
+            "seed=3")
+    run_dir = tmp_path / "default/polynomial/bnn_learned/mlp_w4/seed3"
+    res = _results(run_dir)
+    assert (res["dataset"], res["method"], res["backbone"], res["seed"]) == (
+        "polynomial", "bnn", "mlp", 3)
+    assert res["settings"]["method"]["variance"] == "learned"
+    assert res["settings"]["backbone"]["width"] == 4
+    assert res["params"] == {"total": 36, "trainable": 36}
+    assert res["time"]["train_s"] > 0 and res["time"]["eval_s"] >= 0
+    assert (run_dir / "config.yaml").exists() and (run_dir / "figure.png").exists()
+    for split in ("test", "ood"):
+        p = np.load(run_dir / "predictions" / f"{split}.npz")
+        assert set(p.files) == {"x", "y", "mean", "var", "var_aleatoric"}
+        assert p["y"].shape == p["mean"].shape == (100, 1)
+        assert np.all(p["var"] >= p["var_aleatoric"])
+        y, mu, sd = p["y"].astype(np.float64), p["mean"], np.sqrt(p["var"].astype(np.float64))
+        m = res["metrics"]
+        # recomputed with scipy / numpy, independently of uqbench.metrics
+        assert m[f"{split}/nll"] == pytest.approx(-norm.logpdf(y, mu, sd).mean(), rel=1e-5)
+        assert m[f"{split}/rmse"] == pytest.approx(math.sqrt(((y - mu) ** 2).mean()), rel=1e-5)
+        assert m[f"{split}/coverage_2sigma"] == pytest.approx(
+            (np.abs(y - mu) <= 2 * sd).mean(), abs=1e-9)
+        assert m[f"{split}/mean_std"] == pytest.approx(sd.mean(), rel=1e-5)
+    if (run_dir / "predictions" / "test.npz").exists():
+        x = np.load(run_dir / "predictions" / "ood.npz")["x"]
+        assert np.all(np.abs(x) > 1.5)
+
+
+def test_existing_results_are_kept_unless_asked(tmp_path):
+    args = [*TINY, f"paths.runs_dir={tmp_path}", "run_name=mine"]
+    run_cli(*args)
+    path = tmp_path / "mine" / "results.json"
+    before = path.read_text()
+    proc = run_cli(*args, check=False)
+    assert proc.returncode != 0
+    assert "already exists" in proc.stderr and "overwrite=true" in proc.stderr
+    assert path.read_text() == before
+    run_cli(*args, "skip_existing=true")
+    assert path.read_text() == before
+    run_cli(*args, "overwrite=true", "seed=5")
+    assert _results(path.parent)["seed"] == 5
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("method=nope", ["method", "bnn"]),          # Hydra lists the group's options
+    ("backbone.width=0", ["backbone.width", "0"]),
+    ("dataset.train_range=[1.0,1.0]", ["train_range", "empty"]),
+    ("method.prior_std=-1", ["prior_std", "-1"]),
+])
+def test_bad_input_fails_clearly_and_writes_nothing(tmp_path, override, expected):
+    proc = run_cli(*TINY, f"paths.runs_dir={tmp_path}", override, check=False)
+    assert proc.returncode != 0
+    for word in expected:
+        assert word in proc.stderr, proc.stderr[-2000:]
+    assert not list(tmp_path.rglob("results.json"))
+
+
+def test_nan_loss_leaves_no_results(tmp_path):
+    proc = run_cli(*TINY, f"paths.runs_dir={tmp_path}", "trainer.optimizer.lr=1e12",
+                   "trainer.epochs=50", check=False)
+    assert proc.returncode != 0
+    assert "epoch" in proc.stderr and "step" in proc.stderr
+    assert not list(tmp_path.rglob("results.json"))
+
+
+def test_multirun_then_tables(tmp_path, capsys):
+    run_cli("experiment=p2_width_sweep", *TINY, f"paths.runs_dir={tmp_path}",
+            "backbone.width=4,8", "seed=0,1")
+    assert len(list(tmp_path.rglob("results.json"))) == 2 * 2 * 2
+    out = tmp_path / "tables"
+    tables_main(["--runs", str(tmp_path), "--out", str(out)])
+    md = (out / "p2_width_sweep.md").read_text()
+    rows = [line for line in md.splitlines() if line.startswith("|") and "---" not in line]
+    assert len(rows) == 1 + 4  # header + widths × variances
+    assert " width " in rows[0] and "test NLL" in rows[0]
+    # the table's cell is the mean over seeds of the runs' values
+    nll = [_results(p.parent)["metrics"]["test/nll"] for p in
+           tmp_path.rglob("bnn_embedded/mlp_w4/*/results.json")]
+    emb4 = next(r for r in rows if r.split("|")[1].strip() == "4" and "embedded" in r)
+    assert emb4.split("|")[4].strip().startswith(f"{np.mean(nll):.3f}")
+    assert (out / "p2_width_sweep.tex").exists() and (out / "p2_width_sweep.csv").exists()
+    assert (out / "p2_width_sweep.png").exists()
