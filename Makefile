@@ -11,7 +11,7 @@ export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
 .DEFAULT_GOAL := help
-.PHONY: help setup demo test test-slow tables lint bench clean-runs
+.PHONY: help setup demo test test-slow tables lint bench clean-runs data
 
 help:  ## Show this help
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -37,6 +37,13 @@ test-slow: $(STAMP)  ## Run the slow tests only
 
 tables: $(STAMP)  ## Build every experiment's table from runs/**/results.json into tables/
 	$(BIN)/uqbench-tables
+
+bench: $(STAMP)  ## Speed benchmarks (moment propagation vs Monte Carlo inference), into tables/
+	$(BIN)/python -m uqbench.bench --out tables/bench_bnn.md
+
+data: $(STAMP)  ## Fetch datasets: make data DATASETS="cifar100 sst2" (none given: show what is in the data root)
+	@if [ -z "$(DATASETS)" ]; then $(BIN)/uqbench-data list; \
+	else HF_HUB_OFFLINE=0 HF_DATASETS_OFFLINE=0 $(BIN)/uqbench-data download $(DATASETS); fi
 
 lint: $(STAMP)  ## Lint with ruff
 	$(BIN)/ruff check uqbench tests
