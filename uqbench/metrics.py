@@ -38,3 +38,143 @@ def regression_metrics(y: torch.Tensor, mean: torch.Tensor,
         "coverage_2sigma": interval_coverage(y, mean, var, 2.0).item(),
         "mean_std": var.sqrt().mean().item(),
     }
+
+
+# --- classification ---------------------------------------------------------------------------
+# Inputs: member probabilities p of shape (M, N, C) (softmax of each member's logits) and labels
+# y of shape (N,) (int64). The predictive distribution is built by `aggregate` (default: the mean
+# of member probabilities, the ensemble mixture). Scores and metrics are fractions, never percent.
+
+AGGREGATIONS = ("mean_probs", "mean_logits")
+OOD_SCORES = ("msp", "entropy", "mi")
+
+
+def _check_member_probs(member_probs: torch.Tensor) -> None:
+    if member_probs.dim() != 3:
+        raise ValueError(f"member probabilities must have shape (M, N, C), got "
+                         f"{tuple(member_probs.shape)}")
+
+
+def aggregate(member_probs: torch.Tensor, aggregation: str = "mean_probs") -> torch.Tensor:
+    """Predictive distribution (N, C) from member probabilities (M, N, C).
+
+    mean_probs: (1/M) Σ_m p_m, the mixture (default, METHODS.md §1).
+    mean_logits: softmax of the mean member logits (LoRA-Ensemble's ECE). Computed from the
+    member log-probabilities: log p_m = z_m − logsumexp(z_m) differs from the logits z_m by a
+    per-member constant, which the softmax of the mean cancels.
+    """
+    _check_member_probs(member_probs)
+    if aggregation == "mean_probs":
+        return member_probs.mean(0)
+    if aggregation == "mean_logits":
+        tiny = torch.finfo(member_probs.dtype).tiny
+        return torch.softmax(member_probs.clamp_min(tiny).log().mean(0), dim=-1)
+    raise ValueError(f"aggregation '{aggregation}' is not one of {AGGREGATIONS}")
+
+
+def accuracy(probs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Share of samples whose argmax class is the label. probs (N, C), y (N,)."""
+    return (probs.argmax(-1) == y).double().mean()
+
+
+def mixture_nll(member_probs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean −log p(y|x) of the mixture p = (1/M) Σ_m p_m, via log-mean-exp over members.
+
+    Not the mean of member NLLs (that is larger or equal, by Jensen).
+    """
+    _check_member_probs(member_probs)
+    tiny = torch.finfo(torch.float64).tiny
+    idx = y.view(1, -1, 1).expand(member_probs.shape[0], -1, 1)
+    log_py = member_probs.double().gather(-1, idx).squeeze(-1).clamp_min(tiny).log()  # (M, N)
+    log_mix = torch.logsumexp(log_py, dim=0) - math.log(member_probs.shape[0])         # (N,)
+    return -log_mix.mean()
+
+
+def nll(probs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean −log p(y|x) of one predictive distribution probs (N, C)."""
+    return mixture_nll(probs.unsqueeze(0), y)
+
+
+def brier(probs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean over samples of Σ_c (p_c − 1[c = y])², range [0, 2]. probs (N, C)."""
+    onehot = torch.nn.functional.one_hot(y, probs.shape[-1]).to(probs.dtype)
+    return ((probs - onehot) ** 2).sum(-1).mean()
+
+
+def ece(probs: torch.Tensor, y: torch.Tensor, bins: int = 15) -> torch.Tensor:
+    """Expected calibration error with top-label confidence and equal-width bins.
+
+    Bin k covers the interval (k/bins, (k+1)/bins] (confidence 0 falls into bin 0); the gap
+    |accuracy − mean confidence| of each bin is weighted by the share of samples in it.
+    """
+    if bins < 1:
+        raise ValueError(f"ece bins must be >= 1, got {bins}")
+    conf, pred = probs.double().max(-1)
+    correct = (pred == y).double()
+    inner = torch.linspace(0, 1, bins + 1, dtype=torch.float64, device=conf.device)[1:-1]
+    idx = torch.searchsorted(inner, conf, side="left")  # conf == edge → the lower bin: (lo, hi]
+    zeros = torch.zeros(bins, dtype=torch.float64, device=conf.device)
+    conf_sum = zeros.index_add(0, idx, conf)
+    acc_sum = zeros.index_add(0, idx, correct)
+    # Σ_k (n_k/N)·|acc_k − conf_k| = Σ_k |Σ_{i∈k} correct_i − Σ_{i∈k} conf_i| / N
+    return (acc_sum - conf_sum).abs().sum() / conf.numel()
+
+
+def entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy (nats) over the last axis; 0·log 0 = 0."""
+    p = probs.double()
+    return -(p * p.clamp_min(torch.finfo(torch.float64).tiny).log()).sum(-1)
+
+
+def ood_scores(member_probs: torch.Tensor, aggregation: str = "mean_probs"
+               ) -> dict[str, torch.Tensor]:
+    """Per-sample OOD scores (N,), each oriented so that higher means more likely OOD.
+
+    msp: −max_c p̄_c (negative maximum softmax probability).
+    entropy: H(p̄), the predictive entropy.
+    mi: H(p̄) − (1/M) Σ_m H(p_m), the mutual information (0 for a single member).
+    """
+    mean = aggregate(member_probs, aggregation)
+    pred_entropy = entropy(mean)
+    return {
+        "msp": -mean.double().max(-1).values,
+        "entropy": pred_entropy,
+        "mi": pred_entropy - entropy(member_probs).mean(0),
+    }
+
+
+def ood_detection(id_score: torch.Tensor, ood_score: torch.Tensor) -> dict[str, float]:
+    """AUROC and AUPR of separating OOD from in-distribution samples by a score.
+
+    The score must be oriented so that higher = more OOD.
+    auroc: OOD is the positive class.
+    aupr_in: in-distribution is the positive class, ranked by −score.
+    aupr_out: OOD is the positive class, ranked by score.
+    AUPR is scikit-learn's average precision (step-wise, no interpolation).
+    """
+    from sklearn.metrics import average_precision_score, roc_auc_score
+
+    score = torch.cat([id_score, ood_score]).double().cpu().numpy()
+    is_ood = torch.cat([torch.zeros(len(id_score)), torch.ones(len(ood_score))]).numpy()
+    return {
+        "auroc": float(roc_auc_score(is_ood, score)),
+        "aupr_in": float(average_precision_score(1 - is_ood, -score)),
+        "aupr_out": float(average_precision_score(is_ood, score)),
+    }
+
+
+def classification_metrics(member_probs: torch.Tensor, y: torch.Tensor, ece_bins: int = 15,
+                           aggregation: str = "mean_probs") -> dict[str, float]:
+    """Accuracy, NLL, Brier and ECE of the ensemble's predictive distribution on one split.
+
+    With mean_probs the NLL is the mixture's (log-mean-exp over members); with mean_logits it is
+    the NLL of softmax(mean logits).
+    """
+    probs = aggregate(member_probs, aggregation)
+    nll_value = mixture_nll(member_probs, y) if aggregation == "mean_probs" else nll(probs, y)
+    return {
+        "acc": accuracy(probs, y).item(),
+        "nll": nll_value.item(),
+        "brier": brier(probs.double(), y).item(),
+        "ece": ece(probs, y, ece_bins).item(),
+    }

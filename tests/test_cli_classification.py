@@ -1,0 +1,98 @@
+"""The `uqbench` CLI end to end for every classification method on tiny backbones and fake
+data (one Hydra multirun per modality), and the overhead job with its table."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from sklearn.metrics import brier_score_loss, log_loss, roc_auc_score
+from torchmetrics.classification import MulticlassCalibrationError
+
+from tests.helpers import run_cli
+from uqbench.tables import write_tables
+
+FAST = ["trainer.epochs=1", "trainer.val_every=1", "trainer.progress=false", "logger=none",
+        "plot=false", "torch_threads=1"]
+IMAGE_RUNS = {"sve": ("sve_m4", 4), "svf": ("svf", 1), "lora_ensemble": ("lora_m4_r8", 4),
+              "deep_ensemble": ("de_m4", 4), "deep_ensemble_lp": ("de_lp_m4", 4),
+              "mc_dropout": ("mcdo_t10_p0.1", 10), "single": ("single", 1)}
+
+
+def recompute(member_probs: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+    """acc, nll, brier, ece of the mixture from scikit-learn, torchmetrics and numpy."""
+    p = member_probs.astype(np.float64).mean(0)
+    p /= p.sum(-1, keepdims=True)
+    classes = list(range(p.shape[1]))
+    ece = MulticlassCalibrationError(num_classes=p.shape[1], n_bins=15, norm="l1")
+    return {"acc": float((p.argmax(1) == labels).mean()),
+            "nll": log_loss(labels, p, labels=classes),
+            "brier": brier_score_loss(labels, p, labels=classes, scale_by_half=False),
+            "ece": ece(torch.from_numpy(p), torch.from_numpy(labels)).item()}
+
+
+def mutual_information(member_probs: np.ndarray) -> np.ndarray:
+    def h(p):
+        return -(p * np.log(np.clip(p, 1e-300, None))).sum(-1)
+    p = member_probs.astype(np.float64)
+    return h(p.mean(0)) - h(p).mean(0)
+
+
+@pytest.fixture(scope="module")
+def image_runs(tmp_path_factory):
+    runs = tmp_path_factory.mktemp("runs")
+    run_cli("-m", "backbone=tiny_vit", "dataset=fake_images", f"method={','.join(IMAGE_RUNS)}",
+            f"paths.runs_dir={runs}", *FAST)
+    return runs
+
+
+@pytest.mark.parametrize("method", list(IMAGE_RUNS))
+def test_each_method_runs_end_to_end_and_its_metrics_recompute(image_runs, method):
+    name, members = IMAGE_RUNS[method]
+    run_dir = image_runs / "default/fake_images" / name / "tiny_vit/seed0"
+    res = json.loads((run_dir / "results.json").read_text())
+    assert (res["method"], res["backbone"], res["dataset"]) == (method, "tiny_vit", "fake_images")
+    assert res["settings"]["method"]["members"] == members
+    assert res["params"]["trainable"] > 0 and res["params"]["base"] > 0
+    test = np.load(run_dir / "predictions/test.npz")
+    ood = np.load(run_dir / "predictions/ood.npz")
+    assert test["member_probs"].shape == (members, 32, 4) and test["labels"].shape == (32,)
+    for key, value in recompute(test["member_probs"], test["labels"]).items():
+        assert res["metrics"][f"test/{key}"] == pytest.approx(value, abs=1e-5), key
+    mi = np.concatenate([mutual_information(test["member_probs"]),
+                         mutual_information(ood["member_probs"])])
+    is_ood = np.r_[np.zeros(32), np.ones(32)]
+    assert res["metrics"]["ood/auroc_mi"] == pytest.approx(roc_auc_score(is_ood, mi), abs=1e-6)
+
+
+def test_text_methods_run_end_to_end_on_tiny_bert_and_llama(tmp_path):
+    run_cli("-m", "backbone=tiny_bert,tiny_llama", "dataset=fake_text",
+            "method=sve,lora_ensemble", f"paths.runs_dir={tmp_path}", *FAST)
+    for backbone in ("tiny_bert", "tiny_llama"):
+        for name in ("sve_m4", "lora_m4_r8"):
+            run_dir = tmp_path / "default/fake_text" / name / backbone / "seed0"
+            res = json.loads((run_dir / "results.json").read_text())
+            test = np.load(run_dir / "predictions/test.npz")
+            assert test["member_probs"].shape == (4, 32, 2)
+            assert res["metrics"]["test/nll"] == pytest.approx(
+                recompute(test["member_probs"], test["labels"])["nll"], abs=1e-5)
+
+
+def test_overhead_job_writes_params_and_the_table_shows_the_paper(tmp_path):
+    run_cli("-m", "experiment=p1_overhead", "backbone=bert_base", "method=sve,deep_ensemble",
+            f"paths.runs_dir={tmp_path}")
+    res = json.loads((tmp_path / "p1_overhead/none/sve_m8/bert_base/seed0/results.json")
+                     .read_text())
+    assert res["params"]["added"] == 8 * 12 * 15 * 768 and res["metrics"] == {}
+    assert not (tmp_path / "p1_overhead/none/sve_m8/bert_base/seed0/predictions").exists()
+    md = write_tables(tmp_path, tmp_path / "tables", "p1_overhead")["p1_overhead"].read_text()
+    lines = [[c.strip() for c in line.strip("|").split("|")] for line in md.splitlines()
+             if line.startswith("|")]
+    header, rows = lines[0], {row[1]: dict(zip(lines[0], row, strict=True)) for row in lines[2:]}
+    assert {"overhead %", "overhead % (paper)"} <= set(header)
+    assert float(rows["sve"]["overhead %"]) == pytest.approx(1.01)        # ours
+    assert float(rows["sve"]["overhead % (paper)"]) == pytest.approx(1.0)  # P1's ≈ 1.0 %
+    assert float(rows["deep_ensemble"]["overhead %"]) == pytest.approx(700)
+    assert float(rows["deep_ensemble"]["overhead % (paper)"]) == pytest.approx(700)

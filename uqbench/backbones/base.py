@@ -1,0 +1,47 @@
+"""The contract of a pretrained backbone, shared by the timm and Hugging Face wrappers.
+
+A backbone is a small description object built by Hydra from ``conf/backbone/<name>.yaml``; the
+network itself is made by :meth:`Backbone.build`, so that a method can build it once (or M
+times) where and when it wants (e.g. on the ``meta`` device to count parameters).
+
+- ``name``: used in the run folder path.
+- ``targets``: module-name suffixes of the linear layers a method may adapt (all of them, the
+  SVE default); ``attention_targets``: the attention projections only (LoRA-Ensemble's default).
+  Method code never names an architecture's module paths; it reads these lists.
+- ``build() -> nn.Module``: the encoder, inputs → features (B, feature_dim).
+- ``feature_dim``: width of the features the classification heads read.
+- Image backbones: ``data_config()`` (input_size (3, H, W), mean, std, crop_pct, interpolation).
+  Text backbones: ``tokenizer()`` and ``max_length``; inputs arrive as dicts of tensors
+  (``input_ids``, ``attention_mask``, optional ``token_type_ids``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+
+class Backbone:
+    name: str = "backbone"
+    modality: str = "image"  # image | text
+
+    def __init__(self, name: str, targets: Sequence[str] = (),
+                 attention_targets: Sequence[str] = (), pretrained: bool = True,
+                 p1_members: int | None = None) -> None:
+        self.name = name
+        self.targets = [str(t) for t in targets]
+        self.attention_targets = [str(t) for t in attention_targets]
+        self.pretrained = bool(pretrained)
+        self.p1_members = p1_members  # P1's ensemble size on this backbone (experiment p1_*)
+
+    def build(self) -> nn.Module:  # pragma: no cover - interface
+        """A fresh encoder: inputs → features (B, feature_dim)."""
+        raise NotImplementedError
+
+    @property
+    def feature_dim(self) -> int:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"

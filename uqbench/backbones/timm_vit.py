@@ -1,0 +1,102 @@
+"""Vision transformers from timm (DINO, DINOv2 or a tiny one built from config).
+
+Pretrained weights are read only from a local file (``checkpoint``); nothing is downloaded.
+``build()`` returns the timm model with its classifier removed (``num_classes=0``), whose
+forward maps images (B, 3, H, W) to pooled features (B, embed_dim) (the [CLS] token after the
+final norm for the DINO/DINOv2 models).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from uqbench.backbones.base import Backbone
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "open_clip_pytorch_model.bin")
+
+
+class TimmViT(Backbone):
+    """A timm vision transformer.
+
+    model: timm model name, e.g. ``vit_small_patch16_224.dino``.
+    pretrained: load ``checkpoint`` (a .safetensors/.pth/.bin file, or a folder holding
+        model.safetensors or pytorch_model.bin, e.g. a Hub snapshot); false = random weights.
+    model_kwargs: passed to ``timm.create_model`` (img_size, depth, embed_dim, drop rates …).
+    """
+
+    modality = "image"
+
+    def __init__(self, name: str, model: str, pretrained: bool = True,
+                 checkpoint: str | None = None, model_kwargs: Mapping[str, Any] | None = None,
+                 targets: Sequence[str] = ("qkv", "proj", "fc1", "fc2"),
+                 attention_targets: Sequence[str] = ("qkv", "proj"),
+                 p1_members: int | None = None) -> None:
+        super().__init__(name, targets, attention_targets, pretrained, p1_members)
+        self.model = model
+        self.checkpoint = None if checkpoint is None else Path(checkpoint).expanduser()
+        self.model_kwargs = dict(model_kwargs or {})
+        self._shape_model: nn.Module | None = None
+
+    def checkpoint_file(self) -> Path:
+        """The local weight file, or a clear error saying how to get it."""
+        path = self.checkpoint
+        if path is not None and path.is_dir():
+            for fname in WEIGHT_FILES:
+                if (path / fname).is_file():
+                    return path / fname
+        if path is not None and path.is_file():
+            return path
+        where = path if path is not None else "<backbone.checkpoint is not set>"
+        raise FileNotFoundError(
+            f"pretrained weights for backbone '{self.name}' (timm model {self.model}) not found "
+            f"at {where}. uqbench never downloads weights. On a machine with internet run\n"
+            f"  python -c \"import timm, safetensors.torch as st; m = timm.create_model("
+            f"'{self.model}', pretrained=True, num_classes=0); "
+            f"st.save_file(m.state_dict(), '{where}')\"\n"
+            f"and copy the file here (or set backbone.checkpoint=<file or Hub snapshot folder>, "
+            f"paths.checkpoints=<folder>), or use random weights with backbone.pretrained=false.")
+
+    def build(self) -> nn.Module:
+        import timm
+
+        if self.pretrained:
+            # timm's own loader: drops the classifier, resamples position embeddings to img_size.
+            return timm.create_model(self.model, pretrained=True, num_classes=0,
+                                     pretrained_cfg_overlay={"file": str(self.checkpoint_file())},
+                                     **self.model_kwargs)
+        return timm.create_model(self.model, pretrained=False, num_classes=0,
+                                 **self.model_kwargs)
+
+    def _shapes(self) -> nn.Module:
+        """The architecture on the meta device (no memory, no weights): sizes and preprocessing."""
+        if self._shape_model is None:
+            import timm
+
+            with torch.device("meta"):
+                self._shape_model = timm.create_model(self.model, pretrained=False,
+                                                      num_classes=0, **self.model_kwargs)
+        return self._shape_model
+
+    @property
+    def feature_dim(self) -> int:
+        return int(self._shapes().num_features)
+
+    def data_config(self) -> dict[str, Any]:
+        """input_size (3, H, W), mean, std, crop_pct, interpolation (and crop_mode).
+
+        From timm's pretrained config; input_size follows the model's actual ``img_size``
+        (e.g. 224 for DINOv2 built at 224 although its pretrained config says 518).
+        """
+        from timm.data import resolve_data_config
+
+        model = self._shapes()
+        cfg = dict(resolve_data_config({}, model=model))
+        img_size = getattr(getattr(model, "patch_embed", None), "img_size", None)
+        if img_size is not None:
+            cfg["input_size"] = (3, int(img_size[0]), int(img_size[1]))
+        return cfg

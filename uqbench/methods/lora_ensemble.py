@@ -1,0 +1,92 @@
+"""LoRA-Ensemble (Mühlematter et al., arXiv 2405.14438; METHODS.md §1).
+
+Member m adds a low-rank update to each targeted frozen layer: y = W x + b + scaling·B_m A_m x,
+A_m (r×in), B_m (out×r). As in the official code: B = 0 and A Xavier-uniform with gain 10 (so
+members start equal to the pretrained model and diverge through A), no α/r scaling, targets q, k,
+v and the attention output (the backbone's ``attention_targets``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from uqbench.methods.base import DataInfo
+from uqbench.methods.ensemble import (
+    EnsembleMethod,
+    MemberLinear,
+    positive_int,
+    replace_linears,
+    resolve_targets,
+    split_members,
+)
+
+
+class LoRALinear(MemberLinear):
+    """Per-member low-rank adapters on a frozen linear layer.
+
+    Input (M·B, …, in) in member-major order (rows m·B:(m+1)·B are member m's), output
+    (M·B, …, out) = base_layer(x) + scaling · (x A_mᵀ) B_mᵀ for member m's rows.
+    Parameters (float32): lora_A (M, r, in), Xavier-uniform with gain ``init_gain`` per member
+    (fan_in = in, fan_out = r); lora_B (M, out, r), zeros.
+    """
+
+    def __init__(self, base_layer: nn.Linear, members: int, rank: int, init_gain: float,
+                 scaling: float) -> None:
+        super().__init__(base_layer, members)
+        self.rank, self.scaling = rank, scaling
+        device = base_layer.weight.device
+        bound = init_gain * math.sqrt(6.0 / (self.in_features + rank))
+        self.lora_A = nn.Parameter(
+            torch.empty(members, rank, self.in_features, device=device).uniform_(-bound, bound))
+        self.lora_B = nn.Parameter(torch.zeros(members, self.out_features, rank, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_layer(x)                                                   # (M·B, …, out)
+        xm = split_members(x, self.members)                                      # (M, N, in)
+        A, B = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
+        delta = (xm @ A.transpose(1, 2)) @ B.transpose(1, 2)                     # (M, N, out)
+        return y + self.scaling * delta.reshape(y.shape)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank={self.rank}, scaling={self.scaling}"
+
+
+class LoRAEnsemble(EnsembleMethod):
+    """M LoRA members over one frozen backbone.
+
+    rank: r (8 in the official CIFAR runs). init_gain: Xavier gain of A (10, official).
+    alpha: null = scaling 1 (official, no α/r); a number sets scaling = alpha / rank.
+    targets: attention (default: backbone.attention_targets, i.e. q, k, v, o), all, or a list.
+    """
+
+    prefix = "lora_"
+
+    def __init__(self, backbone: Any, info: DataInfo, members: int = 4, rank: int = 8,
+                 init_gain: float = 10.0, alpha: float | None = None,
+                 targets: str | Sequence[str] | None = "attention",
+                 name: str = "lora_ensemble") -> None:
+        rank = positive_int(rank, "method.rank", " (the official CIFAR runs use 8)")
+        if float(init_gain) <= 0:
+            raise ValueError(f"method.init_gain must be > 0 (official: 10), got {init_gain}")
+        if alpha is not None and float(alpha) <= 0:
+            raise ValueError(f"method.alpha must be > 0 or null (no scaling), got {alpha}")
+        suffixes = resolve_targets(backbone, targets, name)
+        super().__init__(backbone, info, members, name)
+        self.rank, self.init_gain = rank, float(init_gain)
+        self.alpha = None if alpha is None else float(alpha)
+        self.scaling = 1.0 if alpha is None else float(alpha) / rank
+        self.targets = suffixes
+        self.replaced = replace_linears(
+            self.encoder, suffixes,
+            lambda n, layer: LoRALinear(layer, self.members, rank, self.init_gain, self.scaling),
+            name)
+
+    def settings(self) -> dict[str, Any]:
+        return {"members": self.members, "rank": self.rank, "init_gain": self.init_gain,
+                "alpha": self.alpha, "scaling": self.scaling, "targets": ",".join(self.targets),
+                "replaced_layers": len(self.replaced)}

@@ -1,0 +1,66 @@
+"""MC-Dropout: one fine-tuned model, dropout kept on at test time, T stochastic passes.
+
+Only ``nn.Dropout`` modules are put in train mode at test time; normalisation layers, timm's
+DropPath and the attention-probability dropout inside fused attention kernels (which follows
+its attention module's mode) stay in eval mode. The T passes run as ONE forward pass: the batch
+is repeated T times in member-major order (sample t = rows t·B:(t+1)·B) and every row draws its
+own dropout mask. ``p`` is set on every ``nn.Dropout`` of the backbone and on a dropout layer
+in front of the head.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from uqbench.methods.base import DataInfo
+from uqbench.methods.ensemble import EnsembleMethod, Inputs, positive_int, repeat_members
+
+
+class MCDropout(EnsembleMethod):
+    """Training: one pass, logits (1, B, C). Evaluation: T = ``samples`` passes, (T, B, C).
+
+    samples: T. p: dropout probability set on every nn.Dropout (null = keep the backbone's
+    own rates; the head's dropout then uses 0.1). finetune: train the backbone too (default) or
+    only the head.
+    """
+
+    prefix = "mc_"
+
+    def __init__(self, backbone: Any, info: DataInfo, samples: int = 10,
+                 p: float | None = 0.1, finetune: bool = True,
+                 name: str = "mc_dropout") -> None:
+        samples = positive_int(samples, "method.samples", " (stochastic test-time passes)")
+        if p is not None and not 0 <= float(p) < 1:
+            raise ValueError(f"method.p must be a dropout probability in [0, 1), got {p}")
+        super().__init__(backbone, info, members=1, name=name)
+        self.samples, self.finetune = samples, bool(finetune)
+        self.p = None if p is None else float(p)
+        dropouts = [m for m in self.encoder.modules() if isinstance(m, nn.Dropout)]
+        if self.p is not None:
+            for m in dropouts:
+                m.p = self.p
+        self.backbone_dropouts = len(dropouts)
+        self.mc_dropout = nn.Dropout(0.1 if self.p is None else self.p)
+        self.encoder.requires_grad_(self.finetune)
+        self.train()
+
+    def train(self, mode: bool = True) -> MCDropout:
+        """Set the mode of every module, then switch all nn.Dropout modules back on."""
+        super().train(mode)
+        for m in self.modules():
+            if isinstance(m, nn.Dropout):
+                m.train(True)
+        return self
+
+    def forward(self, inputs: Inputs) -> torch.Tensor:
+        """inputs (B, …) → logits (1, B, C) in training, (T, B, C) in evaluation."""
+        T = 1 if self.training else self.samples
+        feats = self.mc_dropout(self.encoder(repeat_members(inputs, T)))        # (T·B, D)
+        return self.head(feats, groups=T)
+
+    def settings(self) -> dict[str, Any]:
+        return {"members": self.samples, "samples": self.samples, "p": self.p,
+                "finetune": self.finetune, "backbone_dropouts": self.backbone_dropouts}

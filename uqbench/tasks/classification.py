@@ -1,0 +1,81 @@
+"""Classification: member probabilities, the ensemble's metrics and OOD detection.
+
+Every classification method returns member logits of shape (M, B, C); the task softmaxes them,
+keeps the per-member probabilities (so that any aggregation and the mutual information can be
+recomputed from ``predictions/<split>.npz``) and computes the metrics of METHODS.md §3.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from uqbench import metrics as M
+from uqbench.tasks.base import Predictions, Task, to_device
+
+
+class ClassificationTask(Task):
+    """Metrics of an M-member predictive distribution.
+
+    ece_bins: equal-width ECE bins (15 default, 10 as in LoRA-Ensemble).
+    aggregation: mean_probs (the mixture, default) | mean_logits (softmax of mean logits).
+    """
+
+    name = "classification"
+
+    def __init__(self, ece_bins: int = 15, aggregation: str = "mean_probs") -> None:
+        if int(ece_bins) < 1:
+            raise ValueError(f"metrics.ece_bins must be a positive integer (15 or 10 are usual), "
+                             f"got {ece_bins}")
+        if aggregation not in M.AGGREGATIONS:
+            raise ValueError(f"metrics.aggregation '{aggregation}' is not one of "
+                             f"{M.AGGREGATIONS}")
+        self.ece_bins = int(ece_bins)
+        self.aggregation = aggregation
+
+    @torch.no_grad()
+    def predict(self, method: torch.nn.Module, loader: DataLoader,
+                device: torch.device) -> Predictions:
+        """member_probs (M, N, C) float32 and labels (N,) int64 over the whole loader."""
+        method.eval()
+        probs, labels = [], []
+        for inputs, y in loader:
+            logits = method(to_device(inputs, device))                        # (M, B, C)
+            probs.append(torch.softmax(logits.float(), dim=-1).cpu())
+            labels.append(y.cpu())
+        return {"member_probs": torch.cat(probs, dim=1).numpy().astype(np.float32),
+                "labels": torch.cat(labels).numpy().astype(np.int64)}
+
+    @staticmethod
+    def _tensors(preds: Predictions) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.from_numpy(preds["member_probs"]), torch.from_numpy(preds["labels"])
+
+    def metrics(self, split: str, preds: Predictions) -> dict[str, float]:
+        """``{split}/acc``, ``/nll``, ``/brier``, ``/ece`` (fractions)."""
+        member_probs, y = self._tensors(preds)
+        values = M.classification_metrics(member_probs, y, self.ece_bins, self.aggregation)
+        return {f"{split}/{k}": v for k, v in values.items()}
+
+    def ood_metrics(self, split: str, id_preds: Predictions,
+                    ood_preds: Predictions) -> dict[str, float]:
+        """Detection of ``split`` (OOD) against the in-distribution test predictions.
+
+        Keys ``{split}/auroc_<score>``, ``{split}/aupr_in_<score>``, ``{split}/aupr_out_<score>``
+        for the scores msp, entropy and mi (each oriented so that higher = more OOD).
+        AUROC and AUPR-Out take OOD as the positive class, AUPR-In the in-distribution samples.
+        """
+        if "member_probs" not in id_preds:
+            raise ValueError(f"OOD split '{split}' needs the in-distribution 'test' split's "
+                             f"predictions; the dataset must list 'test' in eval_splits")
+        id_scores = M.ood_scores(self._tensors(id_preds)[0], self.aggregation)
+        ood_scores = M.ood_scores(self._tensors(ood_preds)[0], self.aggregation)
+        out: dict[str, float] = {}
+        for score in M.OOD_SCORES:
+            for key, value in M.ood_detection(id_scores[score], ood_scores[score]).items():
+                out[f"{split}/{key}_{score}"] = value
+        return out
+
+    def val_loss(self, preds: Predictions) -> float:
+        """Validation NLL of the predictive distribution (model selection)."""
+        return self.metrics("val", preds)["val/nll"]
