@@ -34,37 +34,37 @@ def _median_ms(fn, repeats: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def bench_bnn(widths: list[int], samples: int, repeats: int, device: torch.device) -> pd.DataFrame:
-    rows = []
+def _bench_width(width: int, samples: int, repeats: int, device: torch.device) -> dict:
     info = DataInfo("regression", in_dim=1, out_dim=1, num_train_batches=20)
     x_train, y_train = torch.randn(100, 1, device=device), torch.randn(100, 1, device=device)
     x_eval = torch.linspace(-2, 2, 1000, device=device).unsqueeze(1)
-    for width in widths:
-        torch.manual_seed(0)
-        method = BayesianMLP(MLP(width=width), info, mc_samples=samples).to(device)
-        opt = torch.optim.Adam(method.parameters(), lr=1e-3, foreach=True)
+    torch.manual_seed(0)
+    method = BayesianMLP(MLP(width=width), info, mc_samples=samples).to(device)
+    opt = torch.optim.Adam(method.parameters(), lr=1e-3, foreach=True)
 
-        def step():
-            loss = method.loss((x_train, y_train))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+    def step():
+        loss = method.loss((x_train, y_train))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
 
-        for _ in range(3):
-            step()
-        t_step = _median_ms(step, repeats, device)
-        method.eval()
-        with torch.no_grad():
-            t_mom = _median_ms(lambda: method(x_eval, inference="moments"), repeats, device)
-            t_mc = _median_ms(lambda: method(x_eval, inference="mc"), repeats, device)
-            mom, mc = method(x_eval, inference="moments"), method(x_eval, inference="mc")
-        gap = ((mc.var.sqrt() - mom.var.sqrt()).abs() / mom.var.sqrt()).mean().item()
-        rows.append({"width": width, "params": method.param_counts()["trainable"],
-                     "train step ms": round(t_step, 3), "moments ms": round(t_mom, 3),
-                     f"MC (S={samples}) ms": round(t_mc, 3),
-                     "MC / moments": round(t_mc / t_mom, 1),
-                     "mean |σ_MC − σ_mom| / σ_mom": round(gap, 4)})
-    return pd.DataFrame(rows)
+    for _ in range(3):
+        step()
+    t_step = _median_ms(step, repeats, device)
+    method.eval()
+    with torch.no_grad():
+        t_mom = _median_ms(lambda: method(x_eval, inference="moments"), repeats, device)
+        t_mc = _median_ms(lambda: method(x_eval, inference="mc"), repeats, device)
+        mom, mc = method(x_eval, inference="moments"), method(x_eval, inference="mc")
+    gap = ((mc.var.sqrt() - mom.var.sqrt()).abs() / mom.var.sqrt()).mean().item()
+    return {"width": width, "params": method.param_counts()["trainable"],
+            "train step ms": round(t_step, 3), "moments ms": round(t_mom, 3),
+            f"MC (S={samples}) ms": round(t_mc, 3), "MC / moments": round(t_mc / t_mom, 1),
+            "mean |σ_MC − σ_mom| / σ_mom": round(gap, 4)}
+
+
+def bench_bnn(widths: list[int], samples: int, repeats: int, device: torch.device) -> pd.DataFrame:
+    return pd.DataFrame([_bench_width(w, samples, repeats, device) for w in widths])
 
 
 def main(argv: list[str] | None = None) -> None:

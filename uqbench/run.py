@@ -118,11 +118,27 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             raise RunExistsError(
                 f"{results_path} already exists. Pass overwrite=true to replace it, "
                 f"skip_existing=true to keep it and move on, or run_name=<new name>.")
-    check_trainer(cfg.trainer)
+    job = cfg.get("job", "train")
+    if job not in ("train", "params"):
+        raise ValueError(f"job '{job}' is not one of: train, params")
+    if job == "train":
+        check_trainer(cfg.trainer)
     seed_everything(int(cfg.seed))
-    device = resolve_device(str(cfg.device))
     if cfg.get("torch_threads"):
         torch.set_num_threads(int(cfg.torch_threads))
+    if job == "params":  # count parameters only: no data, no training (uqbench/overhead.py)
+        from uqbench.overhead import params_job
+
+        choices = group_choices(cfg)
+        config = OmegaConf.to_container(cfg, resolve=True)
+        results = {"experiment": cfg.experiment_name, "run": cfg.run_subdir, "job": job,
+                   "dataset": choices["dataset"], "method": choices["method"],
+                   "backbone": choices["backbone"], "seed": int(cfg.seed),
+                   **params_job(cfg), "table": config.get("table")}
+        _write_run(run_dir, config, results, {})
+        log.info("wrote %s", results_path)
+        return results
+    device = resolve_device(str(cfg.device))
 
     # Build cheap things first and check they fit together before anything expensive.
     method_factory = instantiate(cfg.method)
@@ -132,6 +148,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError(
             f"method '{cfg.method.name}' solves {method_task} but dataset '{cfg.dataset.name}' "
             f"is a {data.task} task; pick a {data.task} method or dataset")
+    data.check()  # missing or partial data fails here, before any model is built
     backbone = instantiate(cfg.backbone)
     data.setup(backbone)
     task = get_task(data.task, **(cfg.get("metrics") or {}) if data.task == "classification"

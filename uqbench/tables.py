@@ -165,7 +165,8 @@ def write_tables(runs_dir: Path, out_dir: Path, only: str | None = None) -> dict
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="uqbench-tables",
-        description="Build each experiment's table (Markdown, LaTeX, CSV) from runs/**/results.json")
+        description="Build each experiment's table (Markdown, LaTeX, CSV) "
+                    "from runs/**/results.json")
     parser.add_argument("--runs", type=Path, default=Path("runs"), help="runs folder (runs/)")
     parser.add_argument("--out", type=Path, default=Path("tables"), help="output folder (tables/)")
     parser.add_argument("--experiment", default=None, help="only this experiment")

@@ -40,6 +40,9 @@ class DataModule:
         self.pin_memory = pin_memory
 
     # -- to implement -------------------------------------------------------------------------
+    def check(self) -> None:
+        """Fail fast (before any model is built) if the data is missing or malformed."""
+
     def setup(self, backbone: Any = None) -> None:  # pragma: no cover - interface
         raise NotImplementedError
 
