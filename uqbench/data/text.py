@@ -29,7 +29,7 @@ P1's LLaMA-2-7B setup):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ import torch
 
 from uqbench.data.layout import LAYOUTS, DatasetCorruptError, hf_split_files
 from uqbench.data.splits import ListDataset, SplitDataModule, holdout_split
+from uqbench.methods.base import DataInfo
 
 LETTERS = "ABCDE"
 DEFAULT_MAX_LENGTH = 128
@@ -291,6 +292,11 @@ class ARCEasyData(TextDataModule):
                                    read_hf_split("arc_easy", self.root, theirs, columns)])
                 for ours, theirs in (("train", "train"), ("val", "validation"),
                                      ("test", "test"))}
+
+    @property
+    def info(self) -> DataInfo:
+        # encoder format: the method scores each (question, choice) pair
+        return replace(super().info, multiple_choice=self.format == "encoder")
 
     def make_collate(self) -> ChoiceCollator | PromptCollator:
         if self.format == "encoder":

@@ -28,6 +28,8 @@ class DataInfo:
     num_classes: classes (classification) — the width of each member's head.
     in_dim / out_dim: input features and targets (regression).
     num_train_batches: batches per training epoch (the ELBO's KL weight defaults to its inverse).
+    multiple_choice: inputs hold C candidate sequences per example, (B, C, L) tensors plus a
+        ``choice_mask`` (B, C); a method scores each candidate and the classes are the choices.
     """
 
     task: str
@@ -35,6 +37,7 @@ class DataInfo:
     in_dim: int | None = None
     out_dim: int | None = None
     num_train_batches: int = 1
+    multiple_choice: bool = False
 
 
 @dataclass

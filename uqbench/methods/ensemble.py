@@ -206,6 +206,7 @@ class EnsembleMethod(Method):
                              f"(tiny_vit, dino_vits16, bert_base, …); "
                              f"'{getattr(backbone, 'name', backbone)}' is not one")
         self.num_classes = int(info.num_classes)
+        self.multiple_choice = bool(info.multiple_choice)
         self.backbone_name = backbone.name
         self.encoder = backbone.build()
         self.encoder.requires_grad_(False)
@@ -213,15 +214,30 @@ class EnsembleMethod(Method):
         self.base_bytes = nbytes(self.encoder.parameters())
         device = next(self.encoder.parameters()).device
         with torch.device(device):
-            self.head = EnsembleHead(self.members, backbone.feature_dim, self.num_classes)
+            # multiple choice: one score per (example, choice) pair, the choices are the classes
+            outputs = 1 if self.multiple_choice else self.num_classes
+            self.head = EnsembleHead(self.members, backbone.feature_dim, outputs)
 
     def features(self, inputs: Inputs) -> torch.Tensor:
         """Member-major features (M·B, D)."""
         return self.encoder(repeat_members(inputs, self.members))
 
-    def forward(self, inputs: Inputs) -> torch.Tensor:
+    def logits(self, inputs: Inputs) -> torch.Tensor:
         """inputs (B, …) or a dict of (B, T) tensors → logits (M, B, C)."""
         return self.head(self.features(inputs))
+
+    def forward(self, inputs: Inputs) -> torch.Tensor:
+        """Logits (M, B, C). Multiple choice: every (B, C, L) input is scored as B·C sequences,
+        each member's score of choice c is its logit for c, and absent choices (``choice_mask``
+        false) get the dtype's lowest value, i.e. probability 0."""
+        if not self.multiple_choice:
+            return self.logits(inputs)
+        mask = inputs["choice_mask"]                                            # (B, C)
+        B, C = mask.shape
+        flat = {k: v.flatten(0, 1) for k, v in inputs.items() if k != "choice_mask"}
+        scores = self.logits(flat)                                              # (M, B·C, 1)
+        scores = scores.reshape(scores.shape[0], B, C)
+        return scores.masked_fill(~mask.bool(), torch.finfo(scores.dtype).min)
 
     def loss(self, batch: Batch) -> torch.Tensor:
         """(1/M) Σ_m CE(logits_m, y): all members see the same mini-batch."""

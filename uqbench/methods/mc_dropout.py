@@ -55,7 +55,7 @@ class MCDropout(EnsembleMethod):
                 m.train(True)
         return self
 
-    def forward(self, inputs: Inputs) -> torch.Tensor:
+    def logits(self, inputs: Inputs) -> torch.Tensor:
         """inputs (B, …) → logits (1, B, C) in training, (T, B, C) in evaluation."""
         T = 1 if self.training else self.samples
         feats = self.mc_dropout(self.encoder(repeat_members(inputs, T)))        # (T·B, D)
