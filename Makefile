@@ -25,9 +25,11 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)  ## Create .venv and install uqbench with pinned dependencies
 
-demo: $(STAMP)  ## Run the paper-2 width sweep (embedded vs learned variance) and print its table
+demo: $(STAMP)  ## P2 width sweep (embedded vs learned variance) and P1 parameter overhead, with tables
+	$(BIN)/uqbench experiment=p1_overhead skip_existing=true
 	$(BIN)/uqbench experiment=p2_width_sweep seed=0,1 skip_existing=true trainer.progress=false \
 		hydra/launcher=joblib
+	$(BIN)/uqbench-tables --experiment p1_overhead
 	$(BIN)/uqbench-tables --experiment p2_width_sweep
 	@echo "Figures: tables/p2_width_sweep.png (NLL vs parameters) and one per run:"
 	@echo "  runs/p2_width_sweep/polynomial/<bnn_embedded|bnn_learned>/mlp_w<width>/seed<k>/figure.png"
