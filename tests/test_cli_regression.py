@@ -30,6 +30,7 @@ def test_run_writes_results_and_predictions_that_recompute(tmp_path):
     assert res["settings"]["method"]["variance"] == "learned"
     assert res["settings"]["backbone"]["width"] == 4
     assert res["params"] == {"total": 36, "trainable": 36}
+    assert "method.variance=learned" in res["overrides"]
     assert res["time"]["train_s"] > 0 and res["time"]["eval_s"] >= 0
     assert (run_dir / "config.yaml").exists() and (run_dir / "figure.png").exists()
     for split in ("test", "ood"):
@@ -59,6 +60,8 @@ def test_existing_results_are_kept_unless_asked(tmp_path):
     assert proc.returncode != 0
     assert "already exists" in proc.stderr and "overwrite=true" in proc.stderr
     assert path.read_text() == before
+    assert sorted(p.name for p in path.parent.iterdir()) == [
+        "config.yaml", "figure.png", "predictions", "results.json", "run.log"]
     run_cli(*args, "skip_existing=true")
     assert path.read_text() == before
     run_cli(*args, "overwrite=true", "seed=5")

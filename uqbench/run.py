@@ -79,6 +79,11 @@ def group_choices(cfg: DictConfig) -> dict[str, str]:
     return choices
 
 
+def cli_overrides() -> list[str]:
+    """The command-line overrides of this job (empty outside the CLI)."""
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
 def group_settings(node: DictConfig) -> dict[str, Any]:
     """A config group's resolved fields, without Hydra's instantiation keys."""
     return {k: v for k, v in OmegaConf.to_container(node, resolve=True).items()
@@ -134,7 +139,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         results = {"experiment": cfg.experiment_name, "run": cfg.run_subdir, "job": job,
                    "dataset": choices["dataset"], "method": choices["method"],
                    "backbone": choices["backbone"], "seed": int(cfg.seed),
-                   **params_job(cfg), "table": config.get("table")}
+                   "overrides": cli_overrides(), **params_job(cfg),
+                   "table": config.get("table")}
         _write_run(run_dir, config, results, {})
         log.info("wrote %s", results_path)
         return results
@@ -180,6 +186,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             "method": choices["method"],
             "backbone": choices["backbone"],
             "seed": int(cfg.seed),
+            "overrides": cli_overrides(),
             "settings": {
                 "dataset": group_settings(cfg.dataset) | data.settings(),
                 "method": group_settings(cfg.method) | method.settings(),
