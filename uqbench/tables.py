@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -167,7 +168,8 @@ def main(argv: list[str] | None = None) -> None:
         prog="uqbench-tables",
         description="Build each experiment's table (Markdown, LaTeX, CSV) "
                     "from runs/**/results.json")
-    parser.add_argument("--runs", type=Path, default=Path("runs"), help="runs folder (runs/)")
+    parser.add_argument("--runs", type=Path, default=Path(os.environ.get("UQBENCH_RUNS", "runs")),
+                        help="runs folder ($UQBENCH_RUNS, else runs/)")
     parser.add_argument("--out", type=Path, default=Path("tables"), help="output folder (tables/)")
     parser.add_argument("--experiment", default=None, help="only this experiment")
     parser.add_argument("--quiet", action="store_true", help="do not print the tables")
