@@ -16,3 +16,7 @@ def test_every_package_folder_is_listed():
     assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
     assert meta["package-dir"]["uqbench.conf"] == "conf"
     assert (ROOT / "conf" / "__init__.py").exists()
+    groups = {f"uqbench.conf.{p.name}" for p in (ROOT / "conf").iterdir()
+              if p.is_dir() and not p.name.startswith("__")}
+    assert groups <= listed, f"add the config groups to packages: {sorted(groups - listed)}"
+    assert groups <= set(meta["package-data"]), sorted(groups - set(meta["package-data"]))
