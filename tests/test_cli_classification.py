@@ -96,3 +96,29 @@ def test_overhead_job_writes_params_and_the_table_shows_the_paper(tmp_path):
     assert float(rows["sve"]["overhead % (paper)"]) == pytest.approx(1.0)  # P1's ≈ 1.0 %
     assert float(rows["deep_ensemble"]["overhead %"]) == pytest.approx(700)
     assert float(rows["deep_ensemble"]["overhead % (paper)"]) == pytest.approx(700)
+
+
+def test_paper_table_shows_ours_beside_the_papers(tmp_path):
+    """experiment=p1_flowers102 end to end on a Flowers102 fixture with a tiny backbone: the
+    table has our numbers and P1's reference numbers side by side."""
+    from tests.fixtures.datasets import write_flowers102
+
+    write_flowers102(tmp_path / "data", split_sizes=(8, 4, 6))
+    run_cli("experiment=p1_flowers102", "backbone=tiny_vit", "method=single,sve", "seed=0",
+            "trainer.epochs=1", "trainer.warmup_epochs=0", "dataset.num_workers=0",
+            "trainer.progress=false", "torch_threads=1",
+            f"paths.data_root={tmp_path / 'data'}", f"paths.runs_dir={tmp_path / 'runs'}")
+    written = write_tables(tmp_path / "runs", tmp_path / "tables", "p1_flowers102")
+    md = written["p1_flowers102"].read_text()
+    header = next(line for line in md.splitlines() if line.startswith("| method"))
+    cols = [c.strip() for c in header.strip("|").split("|")]
+    assert cols[:4] == ["method", "M", "ACC", "ACC (paper)"]
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.strip("|").split("|")]
+            for r in md.splitlines() if r.startswith("| s")}
+    assert set(rows) == {"single", "sve"}
+    assert rows["sve"][cols.index("ACC (paper)")] == "95.4"
+    assert rows["single"][cols.index("Brier (paper)")] == "0.20"
+    res = json.loads(next((tmp_path / "runs").rglob("sve_m4/tiny_vit/seed0/results.json"))
+                     .read_text())
+    ours = rows["sve"][cols.index("ACC")]
+    assert float(ours) == pytest.approx(100 * res["metrics"]["test/acc"], abs=0.051)

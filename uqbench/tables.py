@@ -93,7 +93,8 @@ def build_table(runs: list[dict[str, Any]], spec: dict[str, Any]) -> tuple[pd.Da
             num[f"{c['title']} mean"], num[f"{c['title']} std"] = mean, std
             if any(c["title"] in p["values"] for p in paper):
                 value = ref.get(c["title"])
-                disp[f"{c['title']} (paper)"] = "–" if value is None else str(value)
+                disp[f"{c['title']} (paper)"] = ("–" if value is None
+                                                  else format(value, c.get("fmt", ".4g")))
                 num[f"{c['title']} (paper)"] = value
         disp["seeds"] = num["seeds"] = len(members)
         shown.append(disp)
@@ -152,7 +153,8 @@ def write_tables(runs_dir: Path, out_dir: Path, only: str | None = None) -> dict
         spec = runs[-1]["table"]
         shown, numeric = build_table(runs, spec)
         title = spec.get("title", exp)
-        md = f"## {title}\n\n" + shown.to_markdown(index=False) + "\n"
+        # disable_numparse keeps our formatting ("95.0", "0.20") instead of re-parsing numbers
+        md = f"## {title}\n\n" + shown.to_markdown(index=False, disable_numparse=True) + "\n"
         (out_dir / f"{exp}.md").write_text(md)
         (out_dir / f"{exp}.tex").write_text(
             shown.to_latex(index=False, caption=title, label=f"tab:{exp}", escape=True))
