@@ -424,3 +424,22 @@ def test_hf_local_directory_is_loaded_with_its_tokenizer(cfg, tmp_path):
         assert torch.equal(a, b), name
     assert bb.tokenizer()("a good movie")["input_ids"][:2] == [101, 1037]  # [CLS], "a"
     assert bb.feature_dim == 16
+
+
+@pytest.mark.parametrize("backbone", ["tiny_vit", "tiny_llama"])
+def test_sve_releasing_the_pretrained_weights_changes_memory_not_outputs(cfg, text_batch,
+                                                                         backbone):
+    """Dropping each decomposed W (and b) saves exactly their bytes; outputs and the overhead
+    count stay the same."""
+    kept, _ = build(cfg, backbone, "sve", "method.release_pretrained=false")
+    lean, _ = build(cfg, backbone, "sve", "method.release_pretrained=true")
+    x = inputs_for(backbone, text_batch)
+    with torch.no_grad():
+        torch.testing.assert_close(lean.eval()(x), kept.eval()(x))
+    wrapped = [m for m in kept.encoder.modules() if isinstance(m, SVELinear)]
+    dropped = sum(p.numel() * p.element_size() for m in wrapped
+                  for p in m.base_layer.parameters())
+    assert all(m.base_layer is None for m in lean.encoder.modules() if isinstance(m, SVELinear))
+    pk, pl = kept.param_counts(), lean.param_counts()
+    assert pk["param_bytes"] - pl["param_bytes"] == dropped > 0
+    assert pk["added"] == pl["added"] and pk["trainable"] == pl["trainable"]

@@ -254,7 +254,8 @@ class EnsembleMethod(Method):
 
         base: the pretrained encoder as built (one copy). heads: the M heads.
         total / trainable: every parameter of the method / those with requires_grad.
-        added = total − base − heads: what the ensemble stores beyond one pretrained model
+        added = total + released − base − heads (released: pretrained entries the method
+        dropped, e.g. SVE's decomposed W): what the ensemble stores beyond one pretrained model
         (SVE: M sets of singular values and biases; LoRA: M (A, B) pairs; Deep Ensemble: M − 1
         backbone copies). overhead_pct = 100 · added / base.
         *_bytes: memory at the dtypes used; buffer_bytes: e.g. SVE's frozen U and V factors;
@@ -264,7 +265,8 @@ class EnsembleMethod(Method):
         param_bytes, buffer_bytes = nbytes(params), nbytes(self.buffers())
         heads = count(self.head.parameters())
         total = count(params)
-        added = total - self.base_params - heads
+        # pretrained entries a method dropped (SVE's decomposed W) still belong to the base model
+        added = total + getattr(self, "released_params", 0) - self.base_params - heads
         return {
             "base": self.base_params,
             "added": added,
