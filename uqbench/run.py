@@ -100,6 +100,34 @@ def split_group_means(metrics: dict[str, float]) -> dict[str, float]:
     return {k: float(np.mean(v)) for k, v in groups.items()}
 
 
+def run_header(cfg: DictConfig) -> dict[str, Any]:
+    """The keys every results.json starts with: experiment, run folder, choices, overrides."""
+    choices = group_choices(cfg)
+    return {"experiment": cfg.experiment_name, "run": cfg.run_subdir,
+            "dataset": choices["dataset"], "method": choices["method"],
+            "backbone": choices["backbone"], "seed": int(cfg.seed),
+            "overrides": cli_overrides()}
+
+
+def evaluate(method: torch.nn.Module, data: Any, task: Any, device: torch.device
+             ) -> tuple[dict[str, float], dict[str, dict[str, np.ndarray]]]:
+    """Metrics and predictions of every split the dataset declares.
+
+    eval_splits get the task's standard metrics; ood_splits get its OOD metrics against the
+    test predictions; splits sharing a prefix are also averaged (test_c/mean/<metric>).
+    """
+    metrics: dict[str, float] = {}
+    predictions: dict[str, dict[str, np.ndarray]] = {}
+    for split in data.eval_splits:
+        predictions[split] = task.predict(method, data.loader(split), device)
+        metrics.update(task.metrics(split, predictions[split]))
+    for split in data.ood_splits:
+        predictions[split] = task.predict(method, data.loader(split), device)
+        metrics.update(task.ood_metrics(split, predictions.get("test", {}), predictions[split]))
+    metrics.update(split_group_means(metrics))
+    return metrics, predictions
+
+
 def _write_json(path: Path, obj: Any) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=float))
@@ -134,12 +162,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if job == "params":  # count parameters only: no data, no training (uqbench/overhead.py)
         from uqbench.overhead import params_job
 
-        choices = group_choices(cfg)
         config = OmegaConf.to_container(cfg, resolve=True)
-        results = {"experiment": cfg.experiment_name, "run": cfg.run_subdir, "job": job,
-                   "dataset": choices["dataset"], "method": choices["method"],
-                   "backbone": choices["backbone"], "seed": int(cfg.seed),
-                   "overrides": cli_overrides(), **params_job(cfg),
+        results = {**run_header(cfg), "job": job, **params_job(cfg),
                    "table": config.get("table")}
         _write_run(run_dir, config, results, {})
         log.info("wrote %s", results_path)
@@ -160,7 +184,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     task = get_task(data.task, **(cfg.get("metrics") or {}) if data.task == "classification"
                     else {})
     method = method_factory(backbone=backbone, info=data.info).to(device)
-    choices = group_choices(cfg)
     config = OmegaConf.to_container(cfg, resolve=True)
 
     logger = instantiate(cfg.logger)
@@ -168,25 +191,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     try:
         train = fit(method, data, task, cfg.trainer, device, logger)
         start = time.perf_counter()
-        metrics: dict[str, float] = {}
-        predictions: dict[str, dict[str, np.ndarray]] = {}
-        for split in data.eval_splits:
-            predictions[split] = task.predict(method, data.loader(split), device)
-            metrics.update(task.metrics(split, predictions[split]))
-        for split in data.ood_splits:
-            predictions[split] = task.predict(method, data.loader(split), device)
-            metrics.update(task.ood_metrics(split, predictions.get("test", {}),
-                                            predictions[split]))
-        metrics.update(split_group_means(metrics))
+        metrics, predictions = evaluate(method, data, task, device)
         eval_s = time.perf_counter() - start
         results = {
-            "experiment": cfg.experiment_name,
-            "run": cfg.run_subdir,
-            "dataset": choices["dataset"],
-            "method": choices["method"],
-            "backbone": choices["backbone"],
-            "seed": int(cfg.seed),
-            "overrides": cli_overrides(),
+            **run_header(cfg),
             "settings": {
                 "dataset": group_settings(cfg.dataset) | data.settings(),
                 "method": group_settings(cfg.method) | method.settings(),
