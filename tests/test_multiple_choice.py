@@ -63,3 +63,45 @@ def test_arc_encoder_runs_end_to_end(tmp_path):
     assert res["metrics"]["test/nll"] == pytest.approx(
         -np.log(pred["member_probs"].mean(0)[np.arange(len(pred["labels"])),
                                              pred["labels"]]).mean(), rel=1e-4)
+
+
+TINY_LLAMA = dict(name="tiny_llama", model_type="llama", pretrained=False, max_length=16,
+                  pooling="last", dtype="float32", causal_lm=True,
+                  config=dict(vocab_size=30522, hidden_size=16, intermediate_size=40,
+                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                              max_position_embeddings=64, pad_token_id=0),
+                  targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                           "down_proj"])
+
+
+def test_causal_lm_members_start_as_the_lms_answer_letter_scorer(tmp_path, monkeypatch):
+    """ARC-Easy as a prompt: with σ_init = 0 every SVE member's logits are the causal LM's own
+    next-token logits of " A" … " E" at the prompt's last token (computed independently by
+    transformers' LlamaForCausalLM); absent choices get probability 0."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    write_arc_easy(tmp_path)
+    torch.manual_seed(0)
+    backbone = HFEncoder(**TINY_LLAMA)
+    reference = AutoModelForCausalLM.from_config(backbone.hf_config()).eval()
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config",
+                        lambda config, **kwargs: copy.deepcopy(reference))
+    data = ARCEasyData(root=tmp_path, format="causal_lm", batch_size=8)
+    data.setup(backbone)
+    assert len(data.info.answer_token_ids) == 5
+    method = SVE(backbone=backbone, info=data.info, members=2, sigma_init=0.0).eval()
+    assert method.settings()["head_from_lm"] is True
+    inputs, _ = next(iter(data.loader("test")))
+    with torch.no_grad():
+        logits = method(inputs)                                                  # (M, B, 5)
+        lm = reference(input_ids=inputs["input_ids"],
+                       attention_mask=inputs["attention_mask"]).logits          # (B, T, V)
+    rows = torch.arange(lm.shape[0])
+    expected = lm[rows, inputs["last_index"]][:, data.answer_token_ids]          # (B, 5)
+    mask = inputs["choice_mask"]
+    assert (~mask).any()
+    for m in range(2):
+        torch.testing.assert_close(logits[m][mask], expected[mask], atol=1e-4, rtol=1e-4)
+    assert torch.all(logits.softmax(-1)[:, ~mask] == 0)

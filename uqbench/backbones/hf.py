@@ -86,6 +86,10 @@ class HFEncoder(Backbone):
     tokenizer_path: a local tokenizer folder; null = ``path`` when pretrained, else the bundled
         bert-base-uncased tokenizer.
     dtype: parameter dtype of the built model (float32, bfloat16, float16).
+    causal_lm: build the causal language model (decoders such as LLaMA) and keep its output
+        embedding, so that :meth:`output_rows` can give a classification head the LM's own
+        next-token rows (P1's letter scoring on ARC-Easy). The encoder is its base model; the
+        LM head itself is not part of the encoder and is not counted in its parameters.
     """
 
     modality = "text"
@@ -96,7 +100,7 @@ class HFEncoder(Backbone):
                  tokenizer_path: str | None = None, max_length: int = 128,
                  pooling: str = "cls", dtype: str = "float32",
                  targets: Sequence[str] = (), attention_targets: Sequence[str] = (),
-                 p1_members: int | None = None) -> None:
+                 p1_members: int | None = None, causal_lm: bool = False) -> None:
         super().__init__(name, targets, attention_targets, pretrained, p1_members)
         if pooling not in POOLINGS:
             raise ValueError(f"backbone.pooling '{pooling}' is not one of {POOLINGS}")
@@ -113,6 +117,8 @@ class HFEncoder(Backbone):
         self.max_length = int(max_length)
         self.pooling = pooling
         self.dtype = getattr(torch, str(dtype))
+        self.causal_lm = bool(causal_lm)
+        self._output_embeddings: torch.Tensor | None = None
 
     def _check_path(self) -> Path:
         if self.path is None or not (self.path / "config.json").is_file():
@@ -135,20 +141,33 @@ class HFEncoder(Backbone):
         return AutoConfig.for_model(self.model_type, **(self.config | self.config_overrides))
 
     def build(self) -> nn.Module:
-        from transformers import AutoModel
+        from transformers import AutoModel, AutoModelForCausalLM
 
         config = self.hf_config()
+        auto = AutoModelForCausalLM if self.causal_lm else AutoModel
         if self.pretrained:
-            model = AutoModel.from_pretrained(self._check_path(), config=config,
-                                              dtype=self.dtype)
+            model = auto.from_pretrained(self._check_path(), config=config, dtype=self.dtype)
         else:
-            model = AutoModel.from_config(config)
+            model = auto.from_config(config)
+        if self.causal_lm:  # keep the LM's output rows, encode with its base model
+            self._output_embeddings = model.get_output_embeddings().weight.detach()
+            model = model.base_model
         if self.pooling != "pooler" and getattr(model, "pooler", None) is not None:
             model.pooler = None  # unused: no dead parameters in the model
         if self.pooling == "pooler" and getattr(model, "pooler", None) is None:
             raise ValueError(f"backbone.pooling=pooler but {type(model).__name__} has no pooler; "
                              f"use one of cls, last, mean")
         return PooledEncoder(model.to(self.dtype), self.pooling)
+
+    def output_rows(self, token_ids: Sequence[int]) -> torch.Tensor | None:
+        """The causal LM's output-embedding rows of ``token_ids``, (C, hidden_size), or None
+        when the backbone is not a causal LM. A head with these weights (and no bias) computes
+        the LM's next-token logits of those tokens from the last hidden state."""
+        if not self.causal_lm:
+            return None
+        if self._output_embeddings is None:
+            raise RuntimeError("output_rows() needs the model: call build() first")
+        return self._output_embeddings[list(token_ids)]
 
     @property
     def feature_dim(self) -> int:

@@ -296,7 +296,8 @@ class ARCEasyData(TextDataModule):
     @property
     def info(self) -> DataInfo:
         # encoder format: the method scores each (question, choice) pair
-        return replace(super().info, multiple_choice=self.format == "encoder")
+        return replace(super().info, multiple_choice=self.format == "encoder",
+                       answer_token_ids=self.answer_token_ids)
 
     def make_collate(self) -> ChoiceCollator | PromptCollator:
         if self.format == "encoder":

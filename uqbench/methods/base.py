@@ -30,6 +30,8 @@ class DataInfo:
     num_train_batches: batches per training epoch (the ELBO's KL weight defaults to its inverse).
     multiple_choice: inputs hold C candidate sequences per example, (B, C, L) tensors plus a
         ``choice_mask`` (B, C); a method scores each candidate and the classes are the choices.
+    answer_token_ids: for prompts answered by a next token (ARC-Easy as a causal LM), the token
+        of each class; a causal-LM backbone then starts every member's head from the LM's rows.
     """
 
     task: str
@@ -38,6 +40,7 @@ class DataInfo:
     out_dim: int | None = None
     num_train_batches: int = 1
     multiple_choice: bool = False
+    answer_token_ids: list[int] | None = None
 
 
 @dataclass

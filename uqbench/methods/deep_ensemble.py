@@ -83,5 +83,6 @@ class DeepEnsemble(EnsembleMethod):
         return torch.cat([enc(inputs) for enc in self.de_encoders])              # (M·B, D)
 
     def settings(self) -> dict[str, Any]:
-        return {"members": self.members, "finetune": self.finetune, "vectorize": self.vectorize,
-                "targets": "full backbone" if self.finetune else "heads only"}
+        return super().settings() | {
+            "finetune": self.finetune, "vectorize": self.vectorize,
+            "targets": "full backbone" if self.finetune else "heads only"}

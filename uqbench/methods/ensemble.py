@@ -217,6 +217,14 @@ class EnsembleMethod(Method):
             # multiple choice: one score per (example, choice) pair, the choices are the classes
             outputs = 1 if self.multiple_choice else self.num_classes
             self.head = EnsembleHead(self.members, backbone.feature_dim, outputs)
+        rows = None
+        if info.answer_token_ids is not None and callable(getattr(backbone, "output_rows", None)):
+            rows = backbone.output_rows(info.answer_token_ids)                  # (C, D)
+        if rows is not None:  # every member starts as the LM scoring the answer tokens
+            with torch.no_grad():
+                self.head.weight.copy_(rows.to(self.head.weight.dtype).expand_as(self.head.weight))
+                self.head.bias.zero_()
+        self.head_from_lm = rows is not None
 
     def features(self, inputs: Inputs) -> torch.Tensor:
         """Member-major features (M·B, D)."""
@@ -231,7 +239,11 @@ class EnsembleMethod(Method):
         each member's score of choice c is its logit for c, and absent choices (``choice_mask``
         false) get the dtype's lowest value, i.e. probability 0."""
         if not self.multiple_choice:
-            return self.logits(inputs)
+            logits = self.logits(inputs)
+            mask = inputs.get("choice_mask") if isinstance(inputs, dict) else None
+            if mask is None:
+                return logits
+            return logits.masked_fill(~mask.bool(), torch.finfo(logits.dtype).min)
         mask = inputs["choice_mask"]                                            # (B, C)
         B, C = mask.shape
         flat = {k: v.flatten(0, 1) for k, v in inputs.items() if k != "choice_mask"}
@@ -247,7 +259,7 @@ class EnsembleMethod(Method):
         return F.cross_entropy(logits.reshape(G * B, C).float(), y.repeat(G))
 
     def settings(self) -> dict[str, Any]:
-        return {"members": self.members}
+        return {"members": self.members, "head_from_lm": self.head_from_lm}
 
     def param_counts(self) -> dict[str, int | float]:
         """Parameter counts and memory.

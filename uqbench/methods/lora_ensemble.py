@@ -87,6 +87,7 @@ class LoRAEnsemble(EnsembleMethod):
             name)
 
     def settings(self) -> dict[str, Any]:
-        return {"members": self.members, "rank": self.rank, "init_gain": self.init_gain,
-                "alpha": self.alpha, "scaling": self.scaling, "targets": ",".join(self.targets),
-                "replaced_layers": len(self.replaced)}
+        return super().settings() | {
+            "rank": self.rank, "init_gain": self.init_gain, "alpha": self.alpha,
+            "scaling": self.scaling, "targets": ",".join(self.targets),
+            "replaced_layers": len(self.replaced)}

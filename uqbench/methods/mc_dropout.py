@@ -62,5 +62,6 @@ class MCDropout(EnsembleMethod):
         return self.head(feats, groups=T)
 
     def settings(self) -> dict[str, Any]:
-        return {"members": self.samples, "samples": self.samples, "p": self.p,
-                "finetune": self.finetune, "backbone_dropouts": self.backbone_dropouts}
+        return super().settings() | {
+            "members": self.samples, "samples": self.samples, "p": self.p,
+            "finetune": self.finetune, "backbone_dropouts": self.backbone_dropouts}

@@ -180,8 +180,8 @@ class SVE(EnsembleMethod):
         return loss
 
     def settings(self) -> dict[str, Any]:
-        return {"members": self.members, "sigma_init": self.sigma_init,
-                "forward_mode": self.forward_mode, "targets": ",".join(self.targets),
-                "replaced_layers": len(self.replaced),
-                "pretrained_decay": self.pretrained_decay,
-                "release_pretrained": self.release_pretrained}
+        return super().settings() | {
+            "sigma_init": self.sigma_init, "forward_mode": self.forward_mode,
+            "targets": ",".join(self.targets), "replaced_layers": len(self.replaced),
+            "pretrained_decay": self.pretrained_decay,
+            "release_pretrained": self.release_pretrained}
