@@ -34,6 +34,8 @@ def check_trainer(cfg: DictConfig) -> None:
         raise ValueError(f"trainer.select '{cfg.select}' is not one of {SELECTIONS}")
     if cfg.grad_clip is not None and cfg.grad_clip <= 0:
         raise ValueError(f"trainer.grad_clip must be > 0 or null, got {cfg.grad_clip}")
+    if cfg.get("warmup_steps") is not None and int(cfg.warmup_steps) < 0:
+        raise ValueError(f"trainer.warmup_steps must be >= 0 or null, got {cfg.warmup_steps}")
 
 
 def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
@@ -59,7 +61,9 @@ def fit(method: Method, data: DataModule, task: Task, cfg: DictConfig, device: t
     optimizer = instantiate(cfg.optimizer)(params=params)
     loader = data.loader("train", train=True)
     total = epochs * len(loader)
-    warmup = int(cfg.warmup_epochs) * len(loader)
+    # warm-up in optimiser steps when given (LoRA-Ensemble's recipe), else in epochs
+    steps = cfg.get("warmup_steps")
+    warmup = int(steps) if steps is not None else int(cfg.warmup_epochs) * len(loader)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, total, warmup, cfg.schedule))
     best = {"loss": math.inf, "epoch": epochs, "state": None}
