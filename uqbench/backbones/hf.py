@@ -86,6 +86,7 @@ class HFEncoder(Backbone):
     tokenizer_path: a local tokenizer folder; null = ``path`` when pretrained, else the bundled
         bert-base-uncased tokenizer.
     dtype: parameter dtype of the built model (float32, bfloat16, float16).
+    hub_id: the Hugging Face Hub name of the weights, for the fetch command in error messages.
     causal_lm: build the causal language model (decoders such as LLaMA) and keep its output
         embedding, so that :meth:`output_rows` can give a classification head the LM's own
         next-token rows (P1's letter scoring on ARC-Easy). The encoder is its base model; the
@@ -100,7 +101,8 @@ class HFEncoder(Backbone):
                  tokenizer_path: str | None = None, max_length: int = 128,
                  pooling: str = "cls", dtype: str = "float32",
                  targets: Sequence[str] = (), attention_targets: Sequence[str] = (),
-                 p1_members: int | None = None, causal_lm: bool = False) -> None:
+                 p1_members: int | None = None, causal_lm: bool = False,
+                 hub_id: str | None = None) -> None:
         super().__init__(name, targets, attention_targets, pretrained, p1_members)
         if pooling not in POOLINGS:
             raise ValueError(f"backbone.pooling '{pooling}' is not one of {POOLINGS}")
@@ -118,16 +120,19 @@ class HFEncoder(Backbone):
         self.pooling = pooling
         self.dtype = getattr(torch, str(dtype))
         self.causal_lm = bool(causal_lm)
+        self.hub_id = hub_id  # only named in the fetch command of the missing-weights error
         self._output_embeddings: torch.Tensor | None = None
 
     def _check_path(self) -> Path:
+        auto = "AutoModelForCausalLM" if self.causal_lm else "AutoModel"  # causal: keep lm_head
         if self.path is None or not (self.path / "config.json").is_file():
             raise FileNotFoundError(
                 f"pretrained weights for backbone '{self.name}' not found at {self.path} "
                 f"(a folder with config.json and the weights). uqbench never downloads "
                 f"weights. On a machine with internet run\n"
-                f"  python -c \"from transformers import AutoModel, AutoTokenizer; "
-                f"n = '<hub id>'; AutoModel.from_pretrained(n).save_pretrained('{self.path}'); "
+                f"  python -c \"from transformers import {auto}, AutoTokenizer; "
+                f"n = '{self.hub_id or '<hub id>'}'; "
+                f"{auto}.from_pretrained(n).save_pretrained('{self.path}'); "
                 f"AutoTokenizer.from_pretrained(n).save_pretrained('{self.path}')\"\n"
                 f"and copy the folder here (or set backbone.path=<folder>), or use random "
                 f"weights with backbone.pretrained=false.")
