@@ -21,14 +21,10 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from uqbench.methods.base import DataInfo
+from uqbench.run import group_settings
 
 log = logging.getLogger("uqbench")
 DEFAULTS = {"device": "meta", "num_classes": 2}
-
-
-def _settings(node: DictConfig) -> dict[str, Any]:
-    return {k: v for k, v in OmegaConf.to_container(node, resolve=True).items()
-            if not k.startswith("_")}
 
 
 def params_job(cfg: DictConfig) -> dict[str, Any]:
@@ -60,7 +56,7 @@ def params_job(cfg: DictConfig) -> dict[str, Any]:
              params["memory_bytes"] / 1e9)
     return {
         "params": params,
-        "settings": {"method": _settings(cfg.method) | method.settings(),
+        "settings": {"method": group_settings(cfg.method) | method.settings(),
                      "backbone": {k: v for k, v in backbone_cfg.items() if not k.startswith("_")},
                      "overhead": opts},
         "metrics": {},
