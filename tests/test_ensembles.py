@@ -16,7 +16,7 @@ from hydra.utils import instantiate
 from torch import nn
 
 from uqbench.backbones.hf import bundled_tokenizer_path, last_token_index
-from uqbench.methods.base import DataInfo
+from uqbench.contracts import DataInfo
 from uqbench.methods.ensemble import repeat_members, replace_linears
 from uqbench.methods.lora_ensemble import LoRALinear
 from uqbench.methods.sve import SVELinear

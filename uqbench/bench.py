@@ -17,7 +17,7 @@ import pandas as pd
 import torch
 
 from uqbench.backbones.mlp import MLP
-from uqbench.methods.base import DataInfo
+from uqbench.contracts import DataInfo
 from uqbench.methods.bnn import BayesianMLP
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from uqbench.methods.base import DataInfo
+from uqbench.contracts import DataInfo
 
 
 class DataModule:

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from uqbench.contracts import DataInfo
 from uqbench.data.base import DataModule
-from uqbench.methods.base import DataInfo
 
 SPLITS = ("train", "val", "test", "ood")
 

@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
+from uqbench.contracts import DataInfo
 from uqbench.data.base import DataModule
 from uqbench.data.layout import require
-from uqbench.methods.base import DataInfo
 
 
 def holdout_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
+from uqbench.contracts import DataInfo
 from uqbench.data.layout import LAYOUTS, DatasetCorruptError, hf_split_files
 from uqbench.data.splits import ListDataset, SplitDataModule, holdout_split
-from uqbench.methods.base import DataInfo
 
 LETTERS = "ABCDE"
 DEFAULT_MAX_LENGTH = 128

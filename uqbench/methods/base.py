@@ -11,48 +11,12 @@ methods return a :class:`RegressionOutput`. Both know how to compute their train
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-Batch = tuple[Any, torch.Tensor]  # (inputs, targets); inputs a tensor or a dict of tensors
-
-
-@dataclass
-class DataInfo:
-    """What a method needs to know about the data to build its heads.
-
-    task: "classification" or "regression".
-    num_classes: classes (classification) — the width of each member's head.
-    in_dim / out_dim: input features and targets (regression).
-    num_train_batches: batches per training epoch (the ELBO's KL weight defaults to its inverse).
-    multiple_choice: inputs hold C candidate sequences per example, (B, C, L) tensors plus a
-        ``choice_mask`` (B, C); a method scores each candidate and the classes are the choices.
-    answer_token_ids: for prompts answered by a next token (ARC-Easy as a causal LM), the token
-        of each class; a causal-LM backbone then starts every member's head from the LM's rows.
-    """
-
-    task: str
-    num_classes: int | None = None
-    in_dim: int | None = None
-    out_dim: int | None = None
-    num_train_batches: int = 1
-    multiple_choice: bool = False
-    answer_token_ids: list[int] | None = None
-
-
-@dataclass
-class RegressionOutput:
-    """Predictive distribution of a regression method, all tensors of shape (B, out_dim).
-
-    var is the total predictive variance; var_aleatoric is set where the method separates it.
-    """
-
-    mean: torch.Tensor
-    var: torch.Tensor
-    var_aleatoric: torch.Tensor | None = None
+from uqbench.contracts import Batch, DataInfo
 
 
 class Method(nn.Module):

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from uqbench.backbones.mlp import MLP
-from uqbench.methods.base import Batch, DataInfo, Method, RegressionOutput
+from uqbench.contracts import Batch, DataInfo, RegressionOutput
+from uqbench.methods.base import Method
 from uqbench.methods.moments import GaussianLinear, MomentLeakyReLU, MomentSequential
 
 VARIANCES = ("embedded", "learned")

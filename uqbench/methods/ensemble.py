@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from uqbench.methods.base import Batch, DataInfo, Method
+from uqbench.contracts import Batch, DataInfo
+from uqbench.methods.base import Method
 
 Inputs = torch.Tensor | dict[str, torch.Tensor]
 

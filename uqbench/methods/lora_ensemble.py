@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from uqbench.methods.base import DataInfo
+from uqbench.contracts import DataInfo
 from uqbench.methods.ensemble import (
     EnsembleMethod,
     MemberLinear,

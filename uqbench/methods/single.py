@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from uqbench.methods.base import DataInfo
+from uqbench.contracts import DataInfo
 from uqbench.methods.deep_ensemble import DeepEnsemble
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from uqbench.methods.base import Batch, DataInfo
+from uqbench.contracts import Batch, DataInfo
 from uqbench.methods.ensemble import (
     EnsembleMethod,
     MemberLinear,

@@ -2,24 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
 Predictions = dict[str, np.ndarray]  # per-example arrays, saved as predictions/<split>.npz
-
-
-def to_device(inputs: Any, device: torch.device) -> Any:
-    """Move a tensor, or a dict/list/tuple of tensors, to ``device``."""
-    if isinstance(inputs, torch.Tensor):
-        return inputs.to(device, non_blocking=True)
-    if isinstance(inputs, dict):
-        return {k: to_device(v, device) for k, v in inputs.items()}
-    if isinstance(inputs, (list, tuple)):
-        return type(inputs)(to_device(v, device) for v in inputs)
-    return inputs
 
 
 class Task:

@@ -12,7 +12,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from uqbench import metrics as M
-from uqbench.tasks.base import Predictions, Task, to_device
+from uqbench.contracts import to_device
+from uqbench.tasks.base import Predictions, Task
 
 
 class ClassificationTask(Task):
@@ -26,10 +27,10 @@ class ClassificationTask(Task):
 
     def __init__(self, ece_bins: int = 15, aggregation: str = "mean_probs") -> None:
         if int(ece_bins) < 1:
-            raise ValueError(f"metrics.ece_bins must be a positive integer (15 or 10 are usual), "
+            raise ValueError(f"task.ece_bins must be a positive integer (15 or 10 are usual), "
                              f"got {ece_bins}")
         if aggregation not in M.AGGREGATIONS:
-            raise ValueError(f"metrics.aggregation '{aggregation}' is not one of "
+            raise ValueError(f"task.aggregation '{aggregation}' is not one of "
                              f"{M.AGGREGATIONS}")
         self.ece_bins = int(ece_bins)
         self.aggregation = aggregation

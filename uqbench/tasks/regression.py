@@ -8,8 +8,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from uqbench.contracts import to_device
 from uqbench.metrics import regression_metrics
-from uqbench.tasks.base import Predictions, Task, to_device
+from uqbench.tasks.base import Predictions, Task
 
 
 class RegressionTask(Task):

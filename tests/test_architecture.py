@@ -1,0 +1,126 @@
+"""The import graph keeps uqbench's layers apart (imports inside functions included).
+
+config → runner → methods / backbones / data → tasks → metrics; tables read results files only;
+the contracts several layers share live in ``uqbench.contracts``, which imports nothing of ours.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "uqbench"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _imports(path: Path, runtime_only: bool = False) -> set[str]:
+    """Every uqbench module ``path`` imports, at any depth of the file (functions included);
+    ``runtime_only`` leaves out the type-only imports under ``if TYPE_CHECKING:``."""
+    found: set[str] = set()
+    stack: list[ast.AST] = [ast.parse(path.read_text())]
+    while stack:
+        node = stack.pop()
+        if runtime_only and _is_type_checking(node):
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            # `from uqbench import metrics` imports the submodule uqbench.metrics
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES
+                     else node.module for a in node.names]
+        else:
+            continue
+        found.update(n for n in names if n == "uqbench" or n.startswith("uqbench."))
+    return found - {"uqbench"}
+
+
+GRAPH = {name: _imports(path) for name, path in MODULES.items()}
+RUNTIME = {name: _imports(path, runtime_only=True) for name, path in MODULES.items()}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _importers(forbidden: set[str], of: set[str]) -> list[str]:
+    """'a → b' for every module of layers ``of`` importing a module of layers ``forbidden``."""
+    return [f"{m} → {i}" for m, imports in GRAPH.items() if _layer(m) in of
+            for i in sorted(imports) if _layer(i) in forbidden]
+
+
+def test_the_walk_sees_the_package():
+    assert {"uqbench.run", "uqbench.contracts", "uqbench.methods.sve", "uqbench.data.cifar",
+            "uqbench.tasks.classification", "uqbench.metrics"} <= set(MODULES)
+    assert "uqbench.contracts" in GRAPH["uqbench.methods.base"]  # a known edge is found
+    assert "uqbench.metrics" in GRAPH["uqbench.tasks.classification"]  # `from uqbench import`
+
+
+@pytest.mark.parametrize("layer", ["metrics", "tables", "contracts", "configs"])
+def test_leaf_modules_import_nothing_of_the_project(layer):
+    assert GRAPH[f"uqbench.{layer}"] == set()
+
+
+def test_data_never_imports_methods_or_backbones():
+    assert _importers({"methods", "backbones"}, of={"data"}) == []
+
+
+def test_methods_never_import_data_tasks_training_or_the_runner():
+    assert _importers({"data", "tasks", "training", "run", "results", "overhead"},
+                      of={"methods"}) == []
+
+
+def test_tasks_build_only_on_contracts_and_metrics():
+    allowed = {"tasks", "contracts", "metrics"}
+    assert [f"{m} → {i}" for m in GRAPH if _layer(m) == "tasks"
+            for i in GRAPH[m] if _layer(i) not in allowed] == []
+
+
+def test_only_the_runner_composes_backbone_method_and_dataset():
+    """Only the runner imports both methods and data at run time (the training loop names
+    their types under TYPE_CHECKING), and only the runner and its parameter job build the
+    backbone, method and dataset configs."""
+    composers = [m for m, imports in RUNTIME.items()
+                 if {"methods", "data"} <= {_layer(i) for i in imports}]
+    assert composers in ([], ["uqbench.run"])
+    builders = set()
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and ast.unparse(node.func) in ("build", "instantiate")
+                    and node.args and any(f"cfg.{g}" in ast.unparse(node.args[0])
+                                          for g in ("backbone", "method", "dataset"))):
+                builders.add(name)
+    assert builders == {"uqbench.run", "uqbench.overhead"}
+
+
+def test_no_import_cycle():
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+
+    def visit(module: str, path: list[str]) -> list[str] | None:
+        state[module] = 1
+        for nxt in sorted(GRAPH.get(module, ())):
+            if state.get(nxt) == 1:
+                return path + [module, nxt]
+            if nxt not in state and (cycle := visit(nxt, path + [module])):
+                return cycle
+        state[module] = 2
+        return None
+
+    for module in GRAPH:
+        if module not in state:
+            cycle = visit(module, [])
+            assert cycle is None, "import cycle: " + " → ".join(cycle)

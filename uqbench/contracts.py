@@ -1,0 +1,60 @@
+"""The contracts several layers share: what a method reads of the data, the batch, the output.
+
+This module imports nothing of uqbench, so data, methods, tasks and the runner can all depend on
+it without depending on one another (tests/test_architecture.py enforces the import rules).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+Batch = tuple[Any, torch.Tensor]  # (inputs, targets); inputs a tensor or a dict of tensors
+
+
+@dataclass
+class DataInfo:
+    """What a method needs to know about the data to build its heads.
+
+    task: "classification" or "regression".
+    num_classes: classes (classification) — the width of each member's head.
+    in_dim / out_dim: input features and targets (regression).
+    num_train_batches: batches per training epoch (the ELBO's KL weight defaults to its inverse).
+    multiple_choice: inputs hold C candidate sequences per example, (B, C, L) tensors plus a
+        ``choice_mask`` (B, C); a method scores each candidate and the classes are the choices.
+    answer_token_ids: for prompts answered by a next token (ARC-Easy as a causal LM), the token
+        of each class; a causal-LM backbone then starts every member's head from the LM's rows.
+    """
+
+    task: str
+    num_classes: int | None = None
+    in_dim: int | None = None
+    out_dim: int | None = None
+    num_train_batches: int = 1
+    multiple_choice: bool = False
+    answer_token_ids: list[int] | None = None
+
+
+@dataclass
+class RegressionOutput:
+    """Predictive distribution of a regression method, all tensors of shape (B, out_dim).
+
+    var is the total predictive variance; var_aleatoric is set where the method separates it.
+    """
+
+    mean: torch.Tensor
+    var: torch.Tensor
+    var_aleatoric: torch.Tensor | None = None
+
+
+def to_device(inputs: Any, device: torch.device) -> Any:
+    """Move a tensor, or a dict/list/tuple of tensors, to ``device``."""
+    if isinstance(inputs, torch.Tensor):
+        return inputs.to(device, non_blocking=True)
+    if isinstance(inputs, dict):
+        return {k: to_device(v, device) for k, v in inputs.items()}
+    if isinstance(inputs, (list, tuple)):
+        return type(inputs)(to_device(v, device) for v in inputs)
+    return inputs

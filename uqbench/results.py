@@ -1,0 +1,80 @@
+"""Writing a run folder: the header every results.json starts with, and the atomic writer.
+
+Used by the runner (``job=train``) and the parameter job (``job=params``) alike, so both write
+the same keys the same way. Layout of a run folder::
+
+    <run_dir>/config.yaml             resolved config
+    <run_dir>/results.json            header, settings, params, metrics, time (written last)
+    <run_dir>/predictions/<split>.npz per-example predictions
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+
+def group_choices(cfg: DictConfig) -> dict[str, str]:
+    """The option chosen in each config group (Hydra's runtime choices when available)."""
+    choices: dict[str, str] = {}
+    if HydraConfig.initialized():
+        choices = {k: v for k, v in HydraConfig.get().runtime.choices.items()
+                   if v is not None and not k.startswith("hydra")}
+    for group in ("backbone", "method", "dataset"):
+        choices.setdefault(group, str(cfg[group].get("name", group)))
+    return choices
+
+
+def cli_overrides() -> list[str]:
+    """The command-line overrides of this job (empty outside the CLI)."""
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def group_settings(node: DictConfig) -> dict[str, Any]:
+    """A config group's resolved fields, without Hydra's instantiation keys."""
+    return {k: v for k, v in OmegaConf.to_container(node, resolve=True).items()
+            if not k.startswith("_")}
+
+
+def run_header(cfg: DictConfig) -> dict[str, Any]:
+    """The keys every results.json starts with: experiment, run folder, choices, overrides."""
+    choices = group_choices(cfg)
+    return {"experiment": cfg.experiment_name, "run": cfg.run_subdir,
+            "dataset": choices["dataset"], "method": choices["method"],
+            "backbone": choices["backbone"], "seed": int(cfg.seed),
+            "overrides": cli_overrides()}
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write ``obj`` as JSON through a temporary file and one rename (never half a file)."""
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=float))
+    os.replace(tmp, path)
+
+
+def write_run(run_dir: Path, config: dict, results: dict,
+              predictions: dict[str, dict[str, np.ndarray]]) -> None:
+    """Write everything into a staging folder, then move it into place; results.json last."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=".staging-", dir=run_dir))
+    try:
+        (stage / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
+        for split, arrays in predictions.items():
+            path = stage / "predictions" / f"{split}.npz"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            np.savez_compressed(path, **arrays)
+        if predictions:
+            shutil.rmtree(run_dir / "predictions", ignore_errors=True)
+            os.replace(stage / "predictions", run_dir / "predictions")
+        os.replace(stage / "config.yaml", run_dir / "config.yaml")
+        write_json(run_dir / "results.json", results)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
