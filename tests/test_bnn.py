@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from uqbench.backbones.mlp import MLP
+from uqbench.contracts import DataInfo
 from uqbench.data.polynomial import PolynomialData
 from uqbench.loggers import NullLogger
-from uqbench.methods.base import DataInfo, Method
+from uqbench.methods.base import Method
 from uqbench.methods.bnn import BayesianMLP
 from uqbench.tasks.regression import RegressionTask
-from uqbench.training import NonFiniteLossError, fit
+from uqbench.training import NonFiniteLossError
 
 INFO = DataInfo("regression", in_dim=1, out_dim=1, num_train_batches=20)
 
@@ -40,12 +42,13 @@ def _trained(variance: str) -> tuple[BayesianMLP, PolynomialData]:
     data.setup()
     method = BayesianMLP(MLP(width=8), data.info, variance=variance, rho_init=-2.0,
                          mc_samples=20_000)
-    cfg = OmegaConf.create({"epochs": 40, "grad_clip": None, "warmup_epochs": 0,
+    cfg = OmegaConf.create({"_target_": "uqbench.training.Trainer",
+                            "epochs": 40, "grad_clip": None, "warmup_epochs": 0,
                             "schedule": "constant", "select": "last", "val_every": 20,
                             "progress": False,
                             "optimizer": {"_target_": "torch.optim.Adam", "_partial_": True,
                                           "lr": 1e-2}})
-    fit(method, data, RegressionTask(), cfg, torch.device("cpu"), NullLogger())
+    instantiate(cfg).fit(method, data, RegressionTask(), torch.device("cpu"), NullLogger())
     return method, data
 
 
@@ -108,13 +111,15 @@ class _NaNAt(Method):
 def test_nan_loss_names_epoch_and_step():
     data = PolynomialData(n_train=400, batch_size=100)  # 4 steps per epoch
     data.setup()
-    cfg = OmegaConf.create({"epochs": 3, "grad_clip": None, "warmup_epochs": 0,
+    cfg = OmegaConf.create({"_target_": "uqbench.training.Trainer",
+                            "epochs": 3, "grad_clip": None, "warmup_epochs": 0,
                             "schedule": "constant", "select": "last", "val_every": 100,
                             "progress": False,
                             "optimizer": {"_target_": "torch.optim.SGD", "_partial_": True,
                                           "lr": 0.1}})
     with pytest.raises(NonFiniteLossError, match="epoch 2, step 3"):
-        fit(_NaNAt(2, 3), data, RegressionTask(), cfg, torch.device("cpu"), NullLogger())
+        instantiate(cfg).fit(_NaNAt(2, 3), data, RegressionTask(), torch.device("cpu"),
+                             NullLogger())
 
 
 @pytest.mark.parametrize("kwargs,match", [

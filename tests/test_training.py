@@ -6,13 +6,16 @@ import math
 
 import pytest
 import torch
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from uqbench.configs import build
+from uqbench.contracts import RegressionOutput
 from uqbench.data.polynomial import PolynomialData
 from uqbench.loggers import NullLogger
-from uqbench.methods.base import Method, RegressionOutput
+from uqbench.methods.base import Method
 from uqbench.tasks.regression import RegressionTask
-from uqbench.training import check_trainer, fit, lr_factor
+from uqbench.training import Trainer, lr_factor
 
 
 def test_warmup_then_cosine_by_hand():
@@ -53,12 +56,13 @@ def test_warmup_steps_override_warmup_epochs(monkeypatch):
         return step(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.SGD, "step", record)
-    cfg = OmegaConf.create({"epochs": 3, "grad_clip": None, "warmup_epochs": 2,
+    cfg = OmegaConf.create({"_target_": "uqbench.training.Trainer",
+                            "epochs": 3, "grad_clip": None, "warmup_epochs": 2,
                             "warmup_steps": 4, "schedule": "constant", "select": "last",
                             "val_every": 100, "progress": False,
                             "optimizer": {"_target_": "torch.optim.SGD", "_partial_": True,
                                           "lr": 1.0}})
-    fit(method, data, RegressionTask(), cfg, torch.device("cpu"), NullLogger())
+    instantiate(cfg).fit(method, data, RegressionTask(), torch.device("cpu"), NullLogger())
     assert seen == pytest.approx([0.25, 0.5, 0.75, 1.0] + [1.0] * 8)
 
 
@@ -68,8 +72,17 @@ def test_warmup_steps_override_warmup_epochs(monkeypatch):
                                                ("grad_clip", 0.0, "grad_clip"),
                                                ("warmup_steps", -5, "warmup_steps")])
 def test_bad_trainer_settings_are_named(field, value, match):
-    cfg = OmegaConf.create({"epochs": 1, "grad_clip": None, "warmup_epochs": 0,
-                            "warmup_steps": None, "schedule": "constant", "select": "last"})
-    cfg[field] = value
+    """The trainer checks itself when built: from Python and through the runner's build."""
+    settings = {"epochs": 1, "grad_clip": None, "warmup_epochs": 0, "warmup_steps": None,
+                "schedule": "constant", "select": "last", field: value}
     with pytest.raises(ValueError, match=match):
-        check_trainer(cfg)
+        Trainer(optimizer=torch.optim.SGD, **settings)
+    node = OmegaConf.create({"_target_": "uqbench.training.Trainer", **settings,
+                             "optimizer": {"_target_": "torch.optim.SGD", "_partial_": True}})
+    with pytest.raises(ValueError, match=match):
+        build(node)  # the error itself, not Hydra's InstantiationException around it
+
+
+def test_trainer_needs_an_optimizer_factory():
+    with pytest.raises(ValueError, match="trainer.optimizer"):
+        Trainer(optimizer="adam")

@@ -17,11 +17,11 @@ import logging
 from typing import Any
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from uqbench.methods.base import DataInfo
-from uqbench.run import group_settings
+from uqbench.configs import build
+from uqbench.contracts import DataInfo
+from uqbench.results import group_settings
 
 log = logging.getLogger("uqbench")
 DEFAULTS = {"device": "meta", "num_classes": 2}
@@ -41,8 +41,8 @@ def params_job(cfg: DictConfig) -> dict[str, Any]:
     backbone_cfg = OmegaConf.to_container(cfg.backbone, resolve=True)
     if "pretrained" in backbone_cfg:
         backbone_cfg["pretrained"] = False  # the architecture only: never read weights here
-    backbone = instantiate(backbone_cfg)
-    factory = instantiate(cfg.method)
+    backbone = build(backbone_cfg)
+    factory = build(cfg.method)
     method_task = getattr(getattr(factory, "func", factory), "task", None)
     if method_task != "classification":
         raise ValueError(f"job=params counts the classification ensembles; method "

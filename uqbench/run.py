@@ -17,9 +17,7 @@ import json
 import logging
 import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -27,9 +25,10 @@ from typing import Any
 import hydra
 import numpy as np
 import torch
-from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+
+from uqbench.configs import USER_ERRORS, build
+from uqbench.results import group_settings, run_header, write_run
 
 log = logging.getLogger("uqbench")
 
@@ -68,28 +67,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def group_choices(cfg: DictConfig) -> dict[str, str]:
-    """The option chosen in each config group (Hydra's runtime choices when available)."""
-    choices: dict[str, str] = {}
-    if HydraConfig.initialized():
-        choices = {k: v for k, v in HydraConfig.get().runtime.choices.items()
-                   if v is not None and not k.startswith("hydra")}
-    for group in ("backbone", "method", "dataset"):
-        choices.setdefault(group, str(cfg[group].get("name", group)))
-    return choices
-
-
-def cli_overrides() -> list[str]:
-    """The command-line overrides of this job (empty outside the CLI)."""
-    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-
-
-def group_settings(node: DictConfig) -> dict[str, Any]:
-    """A config group's resolved fields, without Hydra's instantiation keys."""
-    return {k: v for k, v in OmegaConf.to_container(node, resolve=True).items()
-            if not k.startswith("_")}
-
-
 def split_group_means(metrics: dict[str, float]) -> dict[str, float]:
     """Average splits sharing a prefix: test_c/<c>/<s>/<m> → test_c/mean/<m>."""
     groups: dict[str, list[float]] = {}
@@ -100,13 +77,17 @@ def split_group_means(metrics: dict[str, float]) -> dict[str, float]:
     return {k: float(np.mean(v)) for k, v in groups.items()}
 
 
-def run_header(cfg: DictConfig) -> dict[str, Any]:
-    """The keys every results.json starts with: experiment, run folder, choices, overrides."""
-    choices = group_choices(cfg)
-    return {"experiment": cfg.experiment_name, "run": cfg.run_subdir,
-            "dataset": choices["dataset"], "method": choices["method"],
-            "backbone": choices["backbone"], "seed": int(cfg.seed),
-            "overrides": cli_overrides()}
+def check_tasks_agree(cfg: DictConfig, method_factory: Any, data: Any, task: Any) -> None:
+    """The dataset, the task scoring it and the method must all mean the same problem."""
+    if task.name != data.task:
+        raise ValueError(
+            f"dataset '{cfg.dataset.name}' is a {data.task} dataset but task={task.name} was "
+            f"chosen; drop the task override (each dataset selects its own task)")
+    method_task = getattr(getattr(method_factory, "func", method_factory), "task", None)
+    if method_task is not None and method_task != data.task:
+        raise ValueError(
+            f"method '{cfg.method.name}' solves {method_task} but dataset '{cfg.dataset.name}' "
+            f"is a {data.task} task; pick a {data.task} method or dataset")
 
 
 def evaluate(method: torch.nn.Module, data: Any, task: Any, device: torch.device
@@ -128,19 +109,10 @@ def evaluate(method: torch.nn.Module, data: Any, task: Any, device: torch.device
     return metrics, predictions
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=float))
-    os.replace(tmp, path)
-
-
 # --- the run ----------------------------------------------------------------------------------
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train and evaluate one configuration; return the results dict (also written to disk)."""
-    from uqbench.tasks import get_task
-    from uqbench.training import check_trainer, fit
-
     run_dir = Path(cfg.run_dir)
     results_path = run_dir / "results.json"
     if results_path.exists():
@@ -155,7 +127,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if job not in ("train", "params"):
         raise ValueError(f"job '{job}' is not one of: train, params")
     if job == "train":
-        check_trainer(cfg.trainer)
+        trainer = build(cfg.trainer)  # checks its own settings (uqbench.training.Trainer)
     seed_everything(int(cfg.seed))
     if cfg.get("torch_threads"):
         torch.set_num_threads(int(cfg.torch_threads))
@@ -165,31 +137,26 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         config = OmegaConf.to_container(cfg, resolve=True)
         results = {**run_header(cfg), "job": job, **params_job(cfg),
                    "table": config.get("table")}
-        _write_run(run_dir, config, results, {})
+        write_run(run_dir, config, results, {})
         log.info("wrote %s", results_path)
         return results
     device = resolve_device(str(cfg.device))
 
     # Build cheap things first and check they fit together before anything expensive.
-    method_factory = instantiate(cfg.method)
-    data = instantiate(cfg.dataset)
-    method_task = getattr(getattr(method_factory, "func", method_factory), "task", None)
-    if method_task is not None and method_task != data.task:
-        raise ValueError(
-            f"method '{cfg.method.name}' solves {method_task} but dataset '{cfg.dataset.name}' "
-            f"is a {data.task} task; pick a {data.task} method or dataset")
+    method_factory = build(cfg.method)
+    data = build(cfg.dataset)
+    task = build(cfg.task)
+    check_tasks_agree(cfg, method_factory, data, task)
     data.check()  # missing or partial data fails here, before any model is built
-    backbone = instantiate(cfg.backbone)
+    backbone = build(cfg.backbone)
     data.setup(backbone)
-    task = get_task(data.task, **(cfg.get("metrics") or {}) if data.task == "classification"
-                    else {})
     method = method_factory(backbone=backbone, info=data.info).to(device)
     config = OmegaConf.to_container(cfg, resolve=True)
 
-    logger = instantiate(cfg.logger)
+    logger = build(cfg.logger)
     logger.start(run_dir, name=cfg.run_subdir, config=config)
     try:
-        train = fit(method, data, task, cfg.trainer, device, logger)
+        train = trainer.fit(method, data, task, device, logger)
         start = time.perf_counter()
         metrics, predictions = evaluate(method, data, task, device)
         eval_s = time.perf_counter() - start
@@ -199,6 +166,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 "dataset": group_settings(cfg.dataset) | data.settings(),
                 "method": group_settings(cfg.method) | method.settings(),
                 "backbone": group_settings(cfg.backbone),
+                "task": group_settings(cfg.task),
                 "trainer": {k: v for k, v in group_settings(cfg.trainer).items()
                             if k != "progress"},
             },
@@ -209,7 +177,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                       "device": str(device)},
             "table": config.get("table"),
         }
-        _write_run(run_dir, config, results, predictions if cfg.save_predictions else {})
+        write_run(run_dir, config, results, predictions if cfg.save_predictions else {})
         figure = None
         if cfg.plot and hasattr(task, "plot"):
             figure = task.plot(run_dir / "figure.png", method, data, device,
@@ -224,31 +192,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return results
 
 
-def _write_run(run_dir: Path, config: dict, results: dict,
-               predictions: dict[str, dict[str, np.ndarray]]) -> None:
-    """Write everything into a staging folder, then move it into place; results.json last."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=".staging-", dir=run_dir))
-    try:
-        (stage / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
-        for split, arrays in predictions.items():
-            path = stage / "predictions" / f"{split}.npz"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            np.savez_compressed(path, **arrays)
-        if predictions:
-            shutil.rmtree(run_dir / "predictions", ignore_errors=True)
-            os.replace(stage / "predictions", run_dir / "predictions")
-        os.replace(stage / "config.yaml", run_dir / "config.yaml")
-        _write_json(run_dir / "results.json", results)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-
-
 @hydra.main(config_path="pkg://uqbench.conf", config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
     try:
         results = run(cfg)
-    except (ValueError, KeyError, FileNotFoundError, FileExistsError, RuntimeError) as err:
+    except USER_ERRORS as err:
         if os.environ.get("UQBENCH_TRACEBACK"):
             raise
         log.error("%s: %s", type(err).__name__, err)

@@ -1,20 +1,27 @@
-"""One training loop for every method: the method supplies the loss, the task the validation."""
+"""One training loop for every method: the method supplies the loss, the task the validation.
+
+The loop is a :class:`Trainer`, built by Hydra from ``conf/trainer/<name>.yaml`` (the optimiser
+arrives as a ``_partial_`` factory): its settings are checked when it is built, so a bad value
+fails before any data is read or any model is built.
+"""
 
 from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
-from hydra.utils import instantiate
-from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from uqbench.data.base import DataModule
+from uqbench.contracts import to_device
 from uqbench.loggers import Logger
-from uqbench.methods.base import Method
-from uqbench.tasks.base import Task, to_device
+
+if TYPE_CHECKING:  # types only: the loop takes a built method, data and task from the runner
+    from uqbench.data.base import DataModule
+    from uqbench.methods.base import Method
+    from uqbench.tasks.base import Task
 
 SCHEDULES = ("constant", "cosine")
 SELECTIONS = ("last", "best")
@@ -22,20 +29,6 @@ SELECTIONS = ("last", "best")
 
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN or infinite; no results are written."""
-
-
-def check_trainer(cfg: DictConfig) -> None:
-    """Validate the trainer config before any expensive work."""
-    if int(cfg.epochs) < 0:
-        raise ValueError(f"trainer.epochs must be >= 0, got {cfg.epochs}")
-    if cfg.schedule not in SCHEDULES:
-        raise ValueError(f"trainer.schedule '{cfg.schedule}' is not one of {SCHEDULES}")
-    if cfg.select not in SELECTIONS:
-        raise ValueError(f"trainer.select '{cfg.select}' is not one of {SELECTIONS}")
-    if cfg.grad_clip is not None and cfg.grad_clip <= 0:
-        raise ValueError(f"trainer.grad_clip must be > 0 or null, got {cfg.grad_clip}")
-    if cfg.get("warmup_steps") is not None and int(cfg.warmup_steps) < 0:
-        raise ValueError(f"trainer.warmup_steps must be >= 0 or null, got {cfg.warmup_steps}")
 
 
 def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
@@ -48,57 +41,91 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
     return 1.0
 
 
-def fit(method: Method, data: DataModule, task: Task, cfg: DictConfig, device: torch.device,
-        logger: Logger) -> dict[str, Any]:
-    """Train ``method`` for ``cfg.epochs``; return timing and model-selection facts."""
-    params = [p for p in method.parameters() if p.requires_grad]
-    if not params and cfg.epochs > 0:
-        raise ValueError(f"method '{method.name}' has no trainable parameters")
-    start = time.perf_counter()
-    epochs = int(cfg.epochs)
-    if epochs == 0:
-        return {"epochs": 0, "train_s": 0.0, "selected_epoch": 0}
-    optimizer = instantiate(cfg.optimizer)(params=params)
-    loader = data.loader("train", train=True)
-    total = epochs * len(loader)
-    # warm-up in optimiser steps when given (LoRA-Ensemble's recipe), else in epochs
-    steps = cfg.get("warmup_steps")
-    warmup = int(steps) if steps is not None else int(cfg.warmup_epochs) * len(loader)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, total, warmup, cfg.schedule))
-    best = {"loss": math.inf, "epoch": epochs, "state": None}
-    bar = tqdm(range(1, epochs + 1), desc=f"train {method.name}", disable=not cfg.progress,
-               dynamic_ncols=True, leave=False)
-    for epoch in bar:
-        method.train()
-        running, n = 0.0, 0
-        for step, batch in enumerate(loader):
-            batch = to_device(batch, device)
-            loss = method.loss(batch)
-            if not torch.isfinite(loss):
-                raise NonFiniteLossError(
-                    f"the training loss became {loss.item()} at epoch {epoch}, step {step} "
-                    f"(lr {scheduler.get_last_lr()[0]:.3g}); lower trainer.optimizer.lr, set "
-                    f"trainer.grad_clip, or check the data. No results were written.")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if cfg.grad_clip is not None:
-                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            optimizer.step()
-            scheduler.step()
-            running += loss.item()
-            n += 1
-        log = {"train/loss": running / n, "epoch": epoch, "lr": scheduler.get_last_lr()[0]}
-        if data.has_val and (epoch % int(cfg.val_every) == 0 or epoch == epochs):
-            preds = task.predict(method, data.loader("val"), device)
-            val = task.metrics("val", preds)
-            log.update(val)
-            val_loss = task.val_loss(preds)
-            if cfg.select == "best" and val_loss < best["loss"]:
-                best = {"loss": val_loss, "epoch": epoch, "state": method.trainable_state()}
-        logger.log_metrics(log, step=epoch)
-        bar.set_postfix(loss=f"{log['train/loss']:.4g}")
-    if best["state"] is not None:
-        method.load_trainable_state(best["state"])
-    return {"epochs": epochs, "train_s": time.perf_counter() - start,
-            "selected_epoch": best["epoch"]}
+class Trainer:
+    """Optimisation and model selection, the same for every method.
+
+    optimizer: a factory ``optimizer(params=…)`` (Hydra ``_partial_``). epochs: passes over the
+    training split (0 = evaluate the untrained model). grad_clip: max gradient norm or None.
+    warmup_epochs / warmup_steps: linear warm-up, in epochs or (when set) optimiser steps.
+    schedule: constant | cosine after the warm-up. select: last | best (lowest validation loss,
+    trainable parameters only). val_every: epochs between validation passes. progress: a bar.
+    """
+
+    def __init__(self, optimizer: Callable[..., torch.optim.Optimizer], epochs: int = 300,
+                 grad_clip: float | None = None, warmup_epochs: int = 0,
+                 warmup_steps: int | None = None, schedule: str = "constant",
+                 select: str = "last", val_every: int = 10, progress: bool = True) -> None:
+        if int(epochs) < 0:
+            raise ValueError(f"trainer.epochs must be >= 0, got {epochs}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"trainer.schedule '{schedule}' is not one of {SCHEDULES}")
+        if select not in SELECTIONS:
+            raise ValueError(f"trainer.select '{select}' is not one of {SELECTIONS}")
+        if grad_clip is not None and grad_clip <= 0:
+            raise ValueError(f"trainer.grad_clip must be > 0 or null, got {grad_clip}")
+        if warmup_steps is not None and int(warmup_steps) < 0:
+            raise ValueError(f"trainer.warmup_steps must be >= 0 or null, got {warmup_steps}")
+        if not callable(optimizer):
+            raise ValueError(f"trainer.optimizer must build an optimiser (a Hydra `_partial_` "
+                             f"config such as torch.optim.AdamW), got {optimizer!r}")
+        self.optimizer = optimizer
+        self.epochs, self.grad_clip = int(epochs), grad_clip
+        self.warmup_epochs = int(warmup_epochs)
+        self.warmup_steps = None if warmup_steps is None else int(warmup_steps)
+        self.schedule, self.select = schedule, select
+        self.val_every, self.progress = int(val_every), bool(progress)
+
+    def fit(self, method: Method, data: DataModule, task: Task, device: torch.device,
+            logger: Logger) -> dict[str, Any]:
+        """Train ``method`` for ``epochs``; return timing and model-selection facts."""
+        params = [p for p in method.parameters() if p.requires_grad]
+        if not params and self.epochs > 0:
+            raise ValueError(f"method '{method.name}' has no trainable parameters")
+        start = time.perf_counter()
+        epochs = self.epochs
+        if epochs == 0:
+            return {"epochs": 0, "train_s": 0.0, "selected_epoch": 0}
+        optimizer = self.optimizer(params=params)
+        loader = data.loader("train", train=True)
+        total = epochs * len(loader)
+        # warm-up in optimiser steps when given (LoRA-Ensemble's recipe), else in epochs
+        warmup = (self.warmup_steps if self.warmup_steps is not None
+                  else self.warmup_epochs * len(loader))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: lr_factor(s, total, warmup, self.schedule))
+        best = {"loss": math.inf, "epoch": epochs, "state": None}
+        bar = tqdm(range(1, epochs + 1), desc=f"train {method.name}", disable=not self.progress,
+                   dynamic_ncols=True, leave=False)
+        for epoch in bar:
+            method.train()
+            running, n = 0.0, 0
+            for step, batch in enumerate(loader):
+                batch = to_device(batch, device)
+                loss = method.loss(batch)
+                if not torch.isfinite(loss):
+                    raise NonFiniteLossError(
+                        f"the training loss became {loss.item()} at epoch {epoch}, step {step} "
+                        f"(lr {scheduler.get_last_lr()[0]:.3g}); lower trainer.optimizer.lr, set "
+                        f"trainer.grad_clip, or check the data. No results were written.")
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                if self.grad_clip is not None:
+                    torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+                optimizer.step()
+                scheduler.step()
+                running += loss.item()
+                n += 1
+            log = {"train/loss": running / n, "epoch": epoch, "lr": scheduler.get_last_lr()[0]}
+            if data.has_val and (epoch % self.val_every == 0 or epoch == epochs):
+                preds = task.predict(method, data.loader("val"), device)
+                val = task.metrics("val", preds)
+                log.update(val)
+                val_loss = task.val_loss(preds)
+                if self.select == "best" and val_loss < best["loss"]:
+                    best = {"loss": val_loss, "epoch": epoch, "state": method.trainable_state()}
+            logger.log_metrics(log, step=epoch)
+            bar.set_postfix(loss=f"{log['train/loss']:.4g}")
+        if best["state"] is not None:
+            method.load_trainable_state(best["state"])
+        return {"epochs": epochs, "train_s": time.perf_counter() - start,
+                "selected_epoch": best["epoch"]}

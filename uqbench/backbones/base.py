@@ -27,13 +27,11 @@ class Backbone:
     modality: str = "image"  # image | text
 
     def __init__(self, name: str, targets: Sequence[str] = (),
-                 attention_targets: Sequence[str] = (), pretrained: bool = True,
-                 p1_members: int | None = None) -> None:
+                 attention_targets: Sequence[str] = (), pretrained: bool = True) -> None:
         self.name = name
         self.targets = [str(t) for t in targets]
         self.attention_targets = [str(t) for t in attention_targets]
         self.pretrained = bool(pretrained)
-        self.p1_members = p1_members  # P1's ensemble size on this backbone (experiment p1_*)
 
     def build(self) -> nn.Module:  # pragma: no cover - interface
         """A fresh encoder: inputs → features (B, feature_dim)."""

@@ -101,9 +101,9 @@ class HFEncoder(Backbone):
                  tokenizer_path: str | None = None, max_length: int = 128,
                  pooling: str = "cls", dtype: str = "float32",
                  targets: Sequence[str] = (), attention_targets: Sequence[str] = (),
-                 p1_members: int | None = None, causal_lm: bool = False,
+                 causal_lm: bool = False,
                  hub_id: str | None = None) -> None:
-        super().__init__(name, targets, attention_targets, pretrained, p1_members)
+        super().__init__(name, targets, attention_targets, pretrained)
         if pooling not in POOLINGS:
             raise ValueError(f"backbone.pooling '{pooling}' is not one of {POOLINGS}")
         if not isinstance(getattr(torch, str(dtype), None), torch.dtype):

@@ -34,9 +34,8 @@ class TimmViT(Backbone):
     def __init__(self, name: str, model: str, pretrained: bool = True,
                  checkpoint: str | None = None, model_kwargs: Mapping[str, Any] | None = None,
                  targets: Sequence[str] = ("qkv", "proj", "fc1", "fc2"),
-                 attention_targets: Sequence[str] = ("qkv", "proj"),
-                 p1_members: int | None = None) -> None:
-        super().__init__(name, targets, attention_targets, pretrained, p1_members)
+                 attention_targets: Sequence[str] = ("qkv", "proj")) -> None:
+        super().__init__(name, targets, attention_targets, pretrained)
         self.model = model
         self.checkpoint = None if checkpoint is None else Path(checkpoint).expanduser()
         self.model_kwargs = dict(model_kwargs or {})

@@ -1,0 +1,70 @@
+"""Configs to objects, and what the config store offers.
+
+``build(node)`` instantiates a config node the way the runner does; ``group_options(group)``
+lists a config group's options for error messages.
+
+Errors that tell a user which backbones, methods or datasets exist read them here, so they list
+exactly what ``conf/`` holds (plus any folder added to Hydra's search path) and never go stale.
+Imports nothing of uqbench.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from typing import Any
+
+import yaml
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+# Errors that mean "the user's input is wrong": one line on stderr, no traceback.
+USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, RuntimeError)
+
+
+def build(node: DictConfig | dict) -> Any:
+    """Hydra-instantiate a config node; a user error raised by the constructor is re-raised
+    as itself (Hydra wraps it in an InstantiationException) so that it prints as one line."""
+    try:
+        return instantiate(node)
+    except InstantiationException as err:
+        if isinstance(err.__cause__, USER_ERRORS):
+            raise err.__cause__ from None
+        raise
+
+
+def group_options(group: str) -> list[str]:
+    """The options of config group ``group`` (e.g. ``backbone``), sorted.
+
+    From Hydra's config loader when a Hydra app is running (so user search paths count),
+    otherwise from the configs packaged with uqbench.
+    """
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        return sorted(GlobalHydra.instance().config_loader().get_group_options(group))
+    folder = resources.files("uqbench.conf") / group
+    if not folder.is_dir():
+        return []
+    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir()
+                  if p.name.endswith(".yaml"))
+
+
+def options_with(group: str, key: str) -> list[str]:
+    """The packaged options of ``group`` whose YAML sets ``key`` to a non-empty value.
+
+    E.g. ``options_with("backbone", "targets")``: the backbones whose layers an adapter method
+    can wrap.
+    """
+    folder = resources.files("uqbench.conf") / group
+    found = []
+    for name in group_options(group):
+        path = folder / f"{name}.yaml"
+        if path.is_file() and (yaml.safe_load(path.read_text()) or {}).get(key):
+            found.append(name)
+    return found
+
+
+def choices_text(group: str) -> str:
+    """``"a, b, c"``: the options of a group, for a message."""
+    return ", ".join(group_options(group)) or f"<no {group} configs found>"
