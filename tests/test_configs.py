@@ -1,35 +1,84 @@
-"""Every config in conf/ composes and resolves."""
+"""Every config in conf/ composes, resolves and builds (Hydra instantiation is lazy and cheap)."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
+from uqbench.backbones.base import Backbone
+from uqbench.configs import build, group_options
+from uqbench.data.base import DataModule
+from uqbench.loggers import Logger
+from uqbench.methods.base import Method
+from uqbench.tasks.base import Task
+from uqbench.training import Trainer
+
 CONF = Path(__file__).resolve().parents[1] / "conf"
-GROUPS = ["backbone", "method", "dataset", "trainer", "logger", "paths"]
+BUILT = {"backbone": Backbone, "dataset": DataModule, "trainer": Trainer, "logger": Logger,
+         "task": Task}
+GROUPS = sorted([*BUILT, "method", "paths"])
 
 
-def _options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+def test_group_options_are_the_yaml_files():
+    for group in GROUPS:
+        assert group_options(group) == sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+    assert {"sve", "svf", "bnn", "lora_ensemble"} <= set(group_options("method"))
 
 
-@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
-def test_every_group_option_composes(compose_cfg, group, option):
+def _check_built(group: str, node) -> None:
+    obj = build(node)
+    if group == "method":  # methods are partials, completed with (backbone, info) by the runner
+        assert isinstance(obj, functools.partial) and issubclass(obj.func, Method)
+    else:
+        assert isinstance(obj, BUILT[group]), f"{group} built a {type(obj).__name__}"
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in group_options(g)])
+def test_every_group_option_composes_and_builds(compose_cfg, group, option):
     cfg = compose_cfg([f"{group}={option}"])
     resolved = OmegaConf.to_container(cfg, resolve=True)
     assert resolved[group] is not None
-    if group in ("backbone", "method", "logger") or (group == "dataset" and option != "none"):
-        assert "_target_" in resolved[group]
+    if group == "paths":  # plain values, nothing to build
+        assert all(isinstance(v, str) and v for v in resolved[group].values())
+    elif group == "dataset" and option == "none":  # job=params reads no data
+        assert "_target_" not in resolved[group]
+    else:
+        _check_built(group, cfg[group])
 
 
-@pytest.mark.parametrize("experiment", _options("experiment"))
-def test_every_experiment_composes(compose_cfg, experiment):
+@pytest.mark.parametrize("experiment", group_options("experiment"))
+def test_every_experiment_composes_and_builds(compose_cfg, experiment):
     cfg = compose_cfg([f"experiment={experiment}"])
     resolved = OmegaConf.to_container(cfg, resolve=True)
     assert resolved["experiment_name"] == experiment
     assert experiment in resolved["run_dir"]
+    for group in ("backbone", "method", "trainer", "task", "logger"):
+        _check_built(group, cfg[group])
+    if "_target_" in cfg.dataset:
+        _check_built("dataset", cfg.dataset)
+
+
+def test_each_dataset_selects_the_task_its_data_declares(compose_cfg):
+    for option in group_options("dataset"):
+        cfg = compose_cfg([f"dataset={option}"])
+        if "_target_" in cfg.dataset:
+            assert build(cfg.task).name == build(cfg.dataset).task, option
+
+
+def test_svf_is_sve_with_one_member(compose_cfg):
+    sve, svf = (compose_cfg([f"method={m}"]).method for m in ("sve", "svf"))
+    assert svf._target_ == sve._target_ and svf.members == 1 and svf.sigma_init == 0
+    assert set(svf) == set(sve)
+
+
+def test_p1_overhead_uses_p1s_ensemble_size_per_backbone(compose_cfg):
+    sizes = {"dino_vits16": 4, "dinov2_vits14": 4, "bert_base": 8, "llama2_7b": 16}
+    for backbone, members in sizes.items():  # P1: 4 for ViTs, 8 for BERT-base, 16 for LLaMA
+        cfg = compose_cfg(["experiment=p1_overhead", f"backbone={backbone}"])
+        assert cfg.method.members == members
 
 
 def test_run_dir_is_deterministic_and_run_name_replaces_it(compose_cfg):

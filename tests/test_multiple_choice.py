@@ -11,7 +11,7 @@ import torch
 from tests.fixtures.datasets import write_arc_easy
 from tests.helpers import run_cli
 from uqbench.backbones.hf import HFEncoder
-from uqbench.data.text import ARCEasyData
+from uqbench.data.arc import ARCEasyData
 from uqbench.methods.sve import SVE
 
 TINY_BERT = dict(name="tiny_bert", model_type="bert", pretrained=False, max_length=16,

@@ -50,17 +50,33 @@ def group_options(group: str) -> list[str]:
                   if p.name.endswith(".yaml"))
 
 
+def _packaged(group: str, name: str) -> dict[str, Any]:
+    """The YAML of a packaged option as a dict (empty if it is not a packaged file)."""
+    path = resources.files("uqbench.conf") / group / f"{name}.yaml"
+    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+
+
 def options_with(group: str, key: str) -> list[str]:
     """The packaged options of ``group`` whose YAML sets ``key`` to a non-empty value.
 
     E.g. ``options_with("backbone", "targets")``: the backbones whose layers an adapter method
     can wrap.
     """
-    folder = resources.files("uqbench.conf") / group
+    return [name for name in group_options(group) if _packaged(group, name).get(key)]
+
+
+def options_where(group: str, attribute: str, value: Any) -> list[str]:
+    """The packaged options of ``group`` whose ``_target_`` class has ``attribute == value``.
+
+    E.g. ``options_where("backbone", "modality", "text")``: the backbones that take text. The
+    classes are imported, not built.
+    """
+    from hydra.utils import get_class
+
     found = []
     for name in group_options(group):
-        path = folder / f"{name}.yaml"
-        if path.is_file() and (yaml.safe_load(path.read_text()) or {}).get(key):
+        target = _packaged(group, name).get("_target_")
+        if target and getattr(get_class(target), attribute, None) == value:
             found.append(name)
     return found
 

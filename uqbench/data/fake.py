@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from uqbench.configs import options_where
 from uqbench.contracts import DataInfo
 from uqbench.data.base import DataModule
 
@@ -147,8 +148,8 @@ class FakeText(_FakeData):
 
     def setup(self, backbone: Any = None) -> None:
         if backbone is None or not hasattr(backbone, "tokenizer"):
-            raise ValueError(f"dataset '{self.name}' needs a text backbone (tiny_bert, "
-                             f"tiny_llama, bert_base, llama2_7b)")
+            raise ValueError(f"dataset '{self.name}' needs a text backbone, one of: "
+                             f"{', '.join(options_where('backbone', 'modality', 'text'))}")
         tok = backbone.tokenizer()
         self._datasets = {}
         for split in self.sizes:
