@@ -73,6 +73,9 @@ def test_existing_results_are_kept_unless_asked(tmp_path):
     ("backbone.width=0", ["backbone.width", "0"]),
     ("dataset.train_range=[1.0,1.0]", ["train_range", "empty"]),
     ("method.prior_std=-1", ["prior_std", "-1"]),
+    ("method=sve", ["solves classification", "one of: bnn"]),  # methods of the data's task
+    ("task=classification", ["regression dataset", "task=classification"]),
+    ("trainer.schedule=linear", ["trainer.schedule", "linear"]),  # the trainer checks itself
 ])
 def test_bad_input_fails_clearly_and_writes_nothing(tmp_path, override, expected):
     proc = run_cli(*TINY, f"paths.runs_dir={tmp_path}", override, check=False)

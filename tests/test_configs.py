@@ -9,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from uqbench.backbones.base import Backbone
-from uqbench.configs import build, group_options
+from uqbench.configs import build, group_options, options_where, options_with
 from uqbench.data.base import DataModule
 from uqbench.loggers import Logger
 from uqbench.methods.base import Method
@@ -26,6 +26,15 @@ def test_group_options_are_the_yaml_files():
     for group in GROUPS:
         assert group_options(group) == sorted(p.stem for p in (CONF / group).glob("*.yaml"))
     assert {"sve", "svf", "bnn", "lora_ensemble"} <= set(group_options("method"))
+
+
+def test_options_are_found_by_key_and_by_class_attribute():
+    assert options_where("method", "task", "regression") == ["bnn"]
+    assert "svf" in options_where("method", "task", "classification")  # through its defaults
+    assert options_where("backbone", "modality", "text") == ["bert_base", "llama2_7b",
+                                                             "tiny_bert", "tiny_llama"]
+    assert "mlp" not in options_with("backbone", "targets")
+    assert {"tiny_vit", "bert_base", "llama2_7b"} <= set(options_with("backbone", "targets"))
 
 
 def _check_built(group: str, node) -> None:

@@ -51,9 +51,15 @@ def group_options(group: str) -> list[str]:
 
 
 def _packaged(group: str, name: str) -> dict[str, Any]:
-    """The YAML of a packaged option as a dict (empty if it is not a packaged file)."""
+    """The YAML of a packaged option as a dict, with the options of the same group it extends
+    through ``defaults:`` merged under it (empty if it is not a packaged file)."""
     path = resources.files("uqbench.conf") / group / f"{name}.yaml"
-    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+    own = (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+    merged: dict[str, Any] = {}
+    for parent in own.pop("defaults", None) or []:
+        if isinstance(parent, str) and parent != "_self_":  # e.g. svf extends sve
+            merged |= _packaged(group, parent)
+    return merged | own
 
 
 def options_with(group: str, key: str) -> list[str]:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from uqbench.configs import USER_ERRORS, build
+from uqbench.configs import USER_ERRORS, build, options_where
 from uqbench.results import group_settings, run_header, write_run
 
 log = logging.getLogger("uqbench")
@@ -87,7 +87,8 @@ def check_tasks_agree(cfg: DictConfig, method_factory: Any, data: Any, task: Any
     if method_task is not None and method_task != data.task:
         raise ValueError(
             f"method '{cfg.method.name}' solves {method_task} but dataset '{cfg.dataset.name}' "
-            f"is a {data.task} task; pick a {data.task} method or dataset")
+            f"is a {data.task} task; pick a {data.task} method (one of: "
+            f"{', '.join(options_where('method', 'task', data.task))}) or another dataset")
 
 
 def evaluate(method: torch.nn.Module, data: Any, task: Any, device: torch.device
