@@ -65,6 +65,17 @@ def test_each_method_runs_end_to_end_and_its_metrics_recompute(image_runs, metho
                          mutual_information(ood["member_probs"])])
     is_ood = np.r_[np.zeros(32), np.ones(32)]
     assert res["metrics"]["ood/auroc_mi"] == pytest.approx(roc_auc_score(is_ood, mi), abs=1e-6)
+    # temperature scaling fitted on val, applied to test: recomputed from the saved predictions
+    t = res["calibration"]["temperature"]
+    log_p = np.log(np.maximum(test["member_probs"].astype(np.float64), 1e-38)) / t
+    tempered = np.exp(log_p - log_p.max(-1, keepdims=True))
+    tempered /= tempered.sum(-1, keepdims=True)
+    for key, value in recompute(tempered, test["labels"]).items():
+        assert res["metrics"][f"test/ts/{key}"] == pytest.approx(value, abs=1e-5), key
+    val = np.load(run_dir / "predictions/val.npz")
+    raw_val_nll = recompute(val["member_probs"], val["labels"])["nll"]
+    assert res["metrics"]["val/ts/nll"] <= raw_val_nll + 1e-6
+    assert res["cost"]["forward_flops_per_example"] > 0
 
 
 def test_text_methods_run_end_to_end_on_tiny_bert_and_llama(tmp_path):

@@ -178,3 +178,43 @@ def classification_metrics(member_probs: torch.Tensor, y: torch.Tensor, ece_bins
         "brier": brier(probs.double(), y).item(),
         "ece": ece(probs, y, ece_bins).item(),
     }
+
+
+# --- post-hoc temperature scaling -------------------------------------------------------------
+# Every member's probabilities are tempered, p_m(T) = softmax(log p_m / T): log p_m equals the
+# member's logits up to a per-row constant, which the softmax cancels, so saved probabilities
+# suffice. One T is fitted for the whole ensemble on the validation split (NLL, LBFGS over log T).
+
+T_RANGE = (1e-2, 1e2)  # log T is clamped here: a degenerate split cannot send T to 0 or ∞
+
+
+def temper(member_probs: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """Member probabilities (M, N, C) at temperature T: softmax(log p_m / T), float64."""
+    log_p = member_probs.double().clamp_min(torch.finfo(torch.float32).tiny).log()
+    return torch.softmax(log_p / temperature, dim=-1)
+
+
+def _predictive_nll(member_probs: torch.Tensor, y: torch.Tensor, aggregation: str
+                    ) -> torch.Tensor:
+    if aggregation == "mean_probs":
+        return mixture_nll(member_probs, y)
+    return nll(aggregate(member_probs, aggregation), y)
+
+
+def fit_temperature(member_probs: torch.Tensor, y: torch.Tensor,
+                    aggregation: str = "mean_probs") -> float:
+    """The T > 0 that minimises the NLL of the tempered predictive distribution on (p, y)."""
+    lo, hi = (math.log(t) for t in T_RANGE)
+    log_t = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([log_t], lr=1.0, max_iter=200, tolerance_grad=1e-10,
+                            tolerance_change=1e-14, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        t = log_t.clamp(lo, hi).exp()
+        loss = _predictive_nll(temper(member_probs, t), y, aggregation)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return float(log_t.detach().clamp(lo, hi).exp())

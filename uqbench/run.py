@@ -28,6 +28,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from uqbench.configs import USER_ERRORS, build, options_where
+from uqbench.contracts import to_device
 from uqbench.results import group_settings, run_header, write_run
 
 log = logging.getLogger("uqbench")
@@ -67,13 +68,16 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def split_group_means(metrics: dict[str, float]) -> dict[str, float]:
-    """Average splits sharing a prefix: test_c/<c>/<s>/<m> → test_c/mean/<m>."""
+def split_group_means(metrics: dict[str, float], splits: list[str]) -> dict[str, float]:
+    """Average the splits that share a prefix: test_c/<c>/<s>/<metric> → test_c/mean/<metric>
+    (and test_c/<c>/<s>/ts/<metric> → test_c/mean/ts/<metric>). Only splits whose name has a
+    '/' form groups; test/ts/<metric> is a calibrated metric of `test`, not a group."""
     groups: dict[str, list[float]] = {}
-    for key, value in metrics.items():
-        parts = key.split("/")
-        if len(parts) >= 3:
-            groups.setdefault(f"{parts[0]}/mean/{parts[-1]}", []).append(value)
+    for split in (s for s in splits if "/" in s):
+        group = split.split("/")[0]
+        for key, value in metrics.items():
+            if key.startswith(split + "/"):
+                groups.setdefault(f"{group}/mean/{key[len(split) + 1:]}", []).append(value)
     return {k: float(np.mean(v)) for k, v in groups.items()}
 
 
@@ -92,22 +96,54 @@ def check_tasks_agree(cfg: DictConfig, method_factory: Any, data: Any, task: Any
 
 
 def evaluate(method: torch.nn.Module, data: Any, task: Any, device: torch.device
-             ) -> tuple[dict[str, float], dict[str, dict[str, np.ndarray]]]:
-    """Metrics and predictions of every split the dataset declares.
+             ) -> tuple[dict[str, float], dict[str, dict[str, np.ndarray]], dict | None]:
+    """Metrics, predictions and post-hoc calibration of every split the dataset declares.
 
     eval_splits get the task's standard metrics; ood_splits get its OOD metrics against the
-    test predictions; splits sharing a prefix are also averaged (test_c/mean/<metric>).
+    test predictions; the validation split (where the dataset has one) is scored too and fits
+    the task's post-hoc calibration (classification: temperature scaling), whose metrics are
+    reported beside the raw ones (``<split>/ts/<metric>``). Splits sharing a prefix are also
+    averaged (test_c/mean/<metric>). Predictions run in a fixed order (eval, OOD, val) so that
+    stochastic methods draw the same random numbers as before the validation pass existed.
     """
-    metrics: dict[str, float] = {}
     predictions: dict[str, dict[str, np.ndarray]] = {}
-    for split in data.eval_splits:
+    val = ["val"] if data.has_val else []
+    for split in [*data.eval_splits, *data.ood_splits, *val]:
         predictions[split] = task.predict(method, data.loader(split), device)
-        metrics.update(task.metrics(split, predictions[split]))
+    calibration = task.calibrate(predictions["val"]) if val else None
+    metrics: dict[str, float] = {}
+    for split in [*data.eval_splits, *val]:
+        metrics.update(task.metrics(split, predictions[split], calibration))
     for split in data.ood_splits:
-        predictions[split] = task.predict(method, data.loader(split), device)
-        metrics.update(task.ood_metrics(split, predictions.get("test", {}), predictions[split]))
-    metrics.update(split_group_means(metrics))
-    return metrics, predictions
+        metrics.update(task.ood_metrics(split, predictions.get("test", {}), predictions[split],
+                                        calibration))
+    metrics.update(split_group_means(metrics, list(data.eval_splits)))
+    return metrics, predictions, calibration
+
+
+def forward_cost(method: torch.nn.Module, data: Any, device: torch.device) -> dict[str, Any]:
+    """Forward FLOPs per example (evaluation mode, one test batch; torch's FLOP counter counts
+    matrix products and convolutions) and the peak memory of the run so far."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cost: dict[str, Any] = {"forward_flops_per_example": None}
+    inputs, y = next(iter(data.loader("test")))
+    method.eval()
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            method(to_device(inputs, device))
+        cost["forward_flops_per_example"] = counter.get_total_flops() / len(y)
+    except Exception as err:  # a custom kernel the counter cannot trace: report, never fail
+        log.warning("FLOP count unavailable: %s", err)
+    if device.type == "cuda":
+        cost |= {"peak_memory_bytes": torch.cuda.max_memory_allocated(device),
+                 "peak_memory": "torch.cuda.max_memory_allocated"}
+    else:
+        import resource
+
+        cost |= {"peak_memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                 "peak_memory": "process peak resident set size"}
+    return cost
 
 
 # --- the run ----------------------------------------------------------------------------------
@@ -142,6 +178,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         log.info("wrote %s", results_path)
         return results
     device = resolve_device(str(cfg.device))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
     # Build cheap things first and check they fit together before anything expensive.
     method_factory = build(cfg.method)
@@ -159,8 +197,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     try:
         train = trainer.fit(method, data, task, device, logger)
         start = time.perf_counter()
-        metrics, predictions = evaluate(method, data, task, device)
+        metrics, predictions, calibration = evaluate(method, data, task, device)
         eval_s = time.perf_counter() - start
+        cost = forward_cost(method, data, device)
         results = {
             **run_header(cfg),
             "settings": {
@@ -173,7 +212,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             },
             "params": method.param_counts(),
             "metrics": metrics,
+            "calibration": calibration,
             "time": {"train_s": train["train_s"], "eval_s": eval_s},
+            "cost": cost,
             "train": {"epochs": train["epochs"], "selected_epoch": train["selected_epoch"],
                       "device": str(device)},
             "table": config.get("table"),

@@ -17,12 +17,21 @@ class Task:
         """Run the method over a loader (eval mode, no grad); return per-example arrays."""
         raise NotImplementedError
 
-    def metrics(self, split: str, preds: Predictions) -> dict[str, float]:  # pragma: no cover
-        """Standard metrics of one split, keyed ``<split>/<metric>``."""
+    def calibrate(self, val_preds: Predictions) -> dict[str, float] | None:
+        """Post-hoc calibration fitted on the validation predictions (None: the task has none).
+        Passed back to ``metrics`` and ``ood_metrics``, and recorded in results.json."""
+        return None
+
+    def metrics(self, split: str, preds: Predictions,
+                calibration: dict[str, float] | None = None
+                ) -> dict[str, float]:  # pragma: no cover - interface
+        """Standard metrics of one split, keyed ``<split>/<metric>`` (and, with a calibration,
+        those of the calibrated predictions, keyed ``<split>/<calibration>/<metric>``)."""
         raise NotImplementedError
 
-    def ood_metrics(self, split: str, id_preds: Predictions,
-                    ood_preds: Predictions) -> dict[str, float]:  # pragma: no cover
+    def ood_metrics(self, split: str, id_preds: Predictions, ood_preds: Predictions,
+                    calibration: dict[str, float] | None = None
+                    ) -> dict[str, float]:  # pragma: no cover - interface
         """Metrics of an out-of-distribution split, keyed ``<split>/<metric>``."""
         raise NotImplementedError
 

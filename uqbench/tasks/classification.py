@@ -52,30 +52,53 @@ class ClassificationTask(Task):
     def _tensors(preds: Predictions) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.from_numpy(preds["member_probs"]), torch.from_numpy(preds["labels"])
 
-    def metrics(self, split: str, preds: Predictions) -> dict[str, float]:
-        """``{split}/acc``, ``/nll``, ``/brier``, ``/ece`` (fractions)."""
-        member_probs, y = self._tensors(preds)
-        values = M.classification_metrics(member_probs, y, self.ece_bins, self.aggregation)
-        return {f"{split}/{k}": v for k, v in values.items()}
+    def calibrate(self, val_preds: Predictions) -> dict[str, float]:
+        """Post-hoc temperature scaling: the T minimising the validation NLL (LBFGS)."""
+        member_probs, y = self._tensors(val_preds)
+        return {"temperature": M.fit_temperature(member_probs, y, self.aggregation)}
 
-    def ood_metrics(self, split: str, id_preds: Predictions,
-                    ood_preds: Predictions) -> dict[str, float]:
+    def metrics(self, split: str, preds: Predictions,
+                calibration: dict[str, float] | None = None) -> dict[str, float]:
+        """``{split}/acc``, ``/nll``, ``/brier``, ``/ece`` (fractions); with a calibration, the
+        same of the temperature-scaled predictions under ``{split}/ts/``."""
+        member_probs, y = self._tensors(preds)
+        out = {}
+        for prefix, probs in self._variants(split, member_probs, calibration):
+            values = M.classification_metrics(probs, y, self.ece_bins, self.aggregation)
+            out |= {f"{prefix}/{k}": v for k, v in values.items()}
+        return out
+
+    def ood_metrics(self, split: str, id_preds: Predictions, ood_preds: Predictions,
+                    calibration: dict[str, float] | None = None) -> dict[str, float]:
         """Detection of ``split`` (OOD) against the in-distribution test predictions.
 
         Keys ``{split}/auroc_<score>``, ``{split}/aupr_in_<score>``, ``{split}/aupr_out_<score>``
-        for the scores msp, entropy and mi (each oriented so that higher = more OOD).
-        AUROC and AUPR-Out take OOD as the positive class, AUPR-In the in-distribution samples.
+        for the scores msp, entropy and mi (each oriented so that higher = more OOD), and the
+        same under ``{split}/ts/`` with a calibration. AUROC and AUPR-Out take OOD as the
+        positive class, AUPR-In the in-distribution samples.
         """
         if "member_probs" not in id_preds:
             raise ValueError(f"OOD split '{split}' needs the in-distribution 'test' split's "
                              f"predictions; the dataset must list 'test' in eval_splits")
-        id_scores = M.ood_scores(self._tensors(id_preds)[0], self.aggregation)
-        ood_scores = M.ood_scores(self._tensors(ood_preds)[0], self.aggregation)
+        id_variants = self._variants(split, self._tensors(id_preds)[0], calibration)
+        ood_variants = self._variants(split, self._tensors(ood_preds)[0], calibration)
         out: dict[str, float] = {}
-        for score in M.OOD_SCORES:
-            for key, value in M.ood_detection(id_scores[score], ood_scores[score]).items():
-                out[f"{split}/{key}_{score}"] = value
+        for (prefix, id_probs), (_, ood_probs) in zip(id_variants, ood_variants, strict=True):
+            id_scores = M.ood_scores(id_probs, self.aggregation)
+            ood_scores = M.ood_scores(ood_probs, self.aggregation)
+            for score in M.OOD_SCORES:
+                for key, value in M.ood_detection(id_scores[score], ood_scores[score]).items():
+                    out[f"{prefix}/{key}_{score}"] = value
         return out
+
+    @staticmethod
+    def _variants(split: str, member_probs: torch.Tensor,
+                  calibration: dict[str, float] | None) -> list[tuple[str, torch.Tensor]]:
+        """(key prefix, member probabilities): as predicted, then temperature-scaled."""
+        variants = [(split, member_probs)]
+        if calibration is not None:
+            variants.append((f"{split}/ts", M.temper(member_probs, calibration["temperature"])))
+        return variants
 
     def val_loss(self, preds: Predictions) -> float:
         """Validation NLL of the predictive distribution (model selection)."""

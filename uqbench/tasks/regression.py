@@ -31,13 +31,14 @@ class RegressionTask(Task):
                 parts.setdefault(k, []).append(v.detach().float().cpu())
         return {k: torch.cat(v).numpy() for k, v in parts.items()}
 
-    def metrics(self, split: str, preds: Predictions) -> dict[str, float]:
+    def metrics(self, split: str, preds: Predictions,
+                calibration: dict[str, float] | None = None) -> dict[str, float]:
         t = {k: torch.from_numpy(preds[k]).double() for k in ("y", "mean", "var")}
         return {f"{split}/{k}": v for k, v in regression_metrics(t["y"], t["mean"],
                                                                  t["var"]).items()}
 
-    def ood_metrics(self, split: str, id_preds: Predictions,
-                    ood_preds: Predictions) -> dict[str, float]:
+    def ood_metrics(self, split: str, id_preds: Predictions, ood_preds: Predictions,
+                    calibration: dict[str, float] | None = None) -> dict[str, float]:
         return self.metrics(split, ood_preds)
 
     def val_loss(self, preds: Predictions) -> float:
