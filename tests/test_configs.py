@@ -95,3 +95,34 @@ def test_run_dir_is_deterministic_and_run_name_replaces_it(compose_cfg):
     assert cfg.run_dir == "runs/default/polynomial/bnn_learned/mlp_w8/seed2"
     cfg = compose_cfg(["run_name=my_run"])
     assert cfg.run_dir == "runs/my_run"
+
+
+@pytest.mark.parametrize("method,lr,weight_decay,batch,epochs", [
+    ("sve", 1e-3, 0.05, 16, 10),            # P1's public release
+    ("svf", 1e-3, 0.05, 16, 10),
+    ("lora_ensemble", 1e-4, 0.0, 32, 10),   # LoRA-Ensemble's official settings
+    ("deep_ensemble", 1e-4, 0.0, 32, 16),   # full fine-tuning (LoRA-Ensemble's baselines)
+    ("single", 1e-4, 0.0, 32, 16),
+    ("mc_dropout", 1e-4, 0.0, 32, 16),
+])
+def test_p1_experiments_train_each_method_by_its_own_recipe(compose_cfg, method, lr,
+                                                            weight_decay, batch, epochs):
+    for experiment in ("p1_flowers102", "p1_sst2", "p1_cifar100"):
+        trainer = compose_cfg([f"experiment={experiment}", f"method={method}"]).trainer
+        assert (trainer.optimizer.lr, trainer.optimizer.weight_decay) == (lr, weight_decay)
+        assert (trainer.batch_size, trainer.epochs) == (batch, epochs)
+    # an explicit trainer on the command line still wins
+    cfg = compose_cfg(["experiment=p1_flowers102", f"method={method}", "trainer=default"])
+    assert cfg.trainer.optimizer.lr == 1e-2
+
+
+def test_the_recipes_batch_size_replaces_the_datasets(compose_cfg, tmp_path):
+    from uqbench.run import run
+
+    cfg = compose_cfg(["backbone=tiny_vit", "dataset=fake_images", "method=single",
+                       "trainer=lora_ensemble", "trainer.epochs=0", "plot=false",
+                       "device=cpu", f"paths.runs_dir={tmp_path}"])
+    assert cfg.dataset.batch_size == 16
+    results = run(cfg)
+    assert results["settings"]["dataset"]["batch_size"] == 32
+    assert "batch_size: 32" in (tmp_path / results["run"] / "config.yaml").read_text()

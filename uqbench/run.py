@@ -165,6 +165,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError(f"job '{job}' is not one of: train, params")
     if job == "train":
         trainer = build(cfg.trainer)  # checks its own settings (uqbench.training.Trainer)
+        if trainer.batch_size is not None:  # the recipe's batch, recorded where it acts
+            cfg.dataset.batch_size = trainer.batch_size
     seed_everything(int(cfg.seed))
     if cfg.get("torch_threads"):
         torch.set_num_threads(int(cfg.torch_threads))

@@ -45,15 +45,18 @@ class Trainer:
     """Optimisation and model selection, the same for every method.
 
     optimizer: a factory ``optimizer(params=…)`` (Hydra ``_partial_``). epochs: passes over the
-    training split (0 = evaluate the untrained model). grad_clip: max gradient norm or None.
+    training split (0 = evaluate the untrained model). batch_size: the recipe's training batch;
+    the runner writes it into ``dataset.batch_size`` before the data is built (None = keep the
+    dataset's). grad_clip: max gradient norm or None.
     warmup_epochs / warmup_steps: linear warm-up, in epochs or (when set) optimiser steps.
     schedule: constant | cosine after the warm-up. select: last | best (lowest validation loss,
     trainable parameters only). val_every: epochs between validation passes. progress: a bar.
     """
 
     def __init__(self, optimizer: Callable[..., torch.optim.Optimizer], epochs: int = 300,
-                 grad_clip: float | None = None, warmup_epochs: int = 0,
-                 warmup_steps: int | None = None, schedule: str = "constant",
+                 batch_size: int | None = None, grad_clip: float | None = None,
+                 warmup_epochs: int = 0, warmup_steps: int | None = None,
+                 schedule: str = "constant",
                  select: str = "last", val_every: int = 10, progress: bool = True) -> None:
         if int(epochs) < 0:
             raise ValueError(f"trainer.epochs must be >= 0, got {epochs}")
@@ -65,11 +68,14 @@ class Trainer:
             raise ValueError(f"trainer.grad_clip must be > 0 or null, got {grad_clip}")
         if warmup_steps is not None and int(warmup_steps) < 0:
             raise ValueError(f"trainer.warmup_steps must be >= 0 or null, got {warmup_steps}")
+        if batch_size is not None and int(batch_size) < 1:
+            raise ValueError(f"trainer.batch_size must be >= 1 or null, got {batch_size}")
         if not callable(optimizer):
             raise ValueError(f"trainer.optimizer must build an optimiser (a Hydra `_partial_` "
                              f"config such as torch.optim.AdamW), got {optimizer!r}")
         self.optimizer = optimizer
         self.epochs, self.grad_clip = int(epochs), grad_clip
+        self.batch_size = None if batch_size is None else int(batch_size)
         self.warmup_epochs = int(warmup_epochs)
         self.warmup_steps = None if warmup_steps is None else int(warmup_steps)
         self.schedule, self.select = schedule, select
