@@ -11,7 +11,7 @@ export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
 .DEFAULT_GOAL := help
-.PHONY: help setup demo test test-slow tables lint bench clean-runs data
+.PHONY: help setup demo test test-slow tables p1-tables lint bench clean-runs data
 
 help:  ## Show this help
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -42,6 +42,9 @@ test-slow: $(STAMP)  ## Run the slow tests only
 
 tables: $(STAMP)  ## Build every experiment's table from runs/**/results.json into tables/
 	$(BIN)/uqbench-tables
+
+p1-tables: $(STAMP)  ## Every P1 table from the runs that exist, and which runs are missing
+	$(BIN)/python -m uqbench.sweeps --tables tables
 
 bench: $(STAMP)  ## Speed benchmarks (moment propagation vs Monte Carlo inference), into tables/
 	$(BIN)/python -m uqbench.bench --out tables/bench_bnn.md

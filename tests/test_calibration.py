@@ -71,5 +71,11 @@ def test_split_group_means_average_declared_groups_only():
     metrics = {"test/nll": 1.0, "test/ts/nll": 0.5,
                "test_c/fog/1/nll": 2.0, "test_c/fog/2/nll": 4.0,
                "test_c/fog/1/ts/nll": 1.0, "test_c/fog/2/ts/nll": 3.0}
-    means = split_group_means(metrics, ["test", "test_c/fog/1", "test_c/fog/2"])
-    assert means == {"test_c/mean/nll": 3.0, "test_c/mean/ts/nll": 2.0}
+    metrics |= {"test_c/snow/1/nll": 6.0, "test_c/snow/2/nll": 8.0}
+    means = split_group_means(metrics, ["test", "test_c/fog/1", "test_c/fog/2",
+                                        "test_c/snow/1", "test_c/snow/2"])
+    assert means == {"test_c/mean/nll": 5.0, "test_c/mean/ts/nll": 2.0,
+                     "test_c/fog/mean/nll": 3.0, "test_c/snow/mean/nll": 7.0,   # per corruption
+                     "test_c/mean/1/nll": 4.0, "test_c/mean/2/nll": 6.0,        # per severity
+                     "test_c/fog/mean/ts/nll": 2.0,
+                     "test_c/mean/1/ts/nll": 1.0, "test_c/mean/2/ts/nll": 3.0}

@@ -16,7 +16,19 @@ from typing import Any
 import yaml
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+
+
+def _run_subdir(run_name, experiment, dataset, method, backbone, seed) -> str:
+    """The run folder below paths.runs_dir: <run_name>, or <experiment>/<dataset>/<method>/
+    <backbone>/seed<seed> (conf/config.yaml's run_subdir)."""
+    if run_name not in (None, "", "None", "null"):
+        return str(run_name)
+    return f"{experiment}/{dataset}/{method}/{backbone}/seed{seed}"
+
+
+# Registered on import: anything that composes uqbench's configs imports this module.
+OmegaConf.register_new_resolver("uq.run_subdir", _run_subdir, replace=True)
 
 # Errors that mean "the user's input is wrong": one line on stderr, no traceback.
 USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, RuntimeError)

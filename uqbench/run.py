@@ -34,15 +34,6 @@ from uqbench.results import group_settings, run_header, write_run
 log = logging.getLogger("uqbench")
 
 
-def _run_subdir(run_name, experiment, dataset, method, backbone, seed) -> str:
-    if run_name not in (None, "", "None", "null"):
-        return str(run_name)
-    return f"{experiment}/{dataset}/{method}/{backbone}/seed{seed}"
-
-
-OmegaConf.register_new_resolver("uq.run_subdir", _run_subdir, replace=True)
-
-
 class RunExistsError(FileExistsError):
     pass
 
@@ -69,15 +60,21 @@ def seed_everything(seed: int) -> None:
 
 
 def split_group_means(metrics: dict[str, float], splits: list[str]) -> dict[str, float]:
-    """Average the splits that share a prefix: test_c/<c>/<s>/<metric> → test_c/mean/<metric>
-    (and test_c/<c>/<s>/ts/<metric> → test_c/mean/ts/<metric>). Only splits whose name has a
-    '/' form groups; test/ts/<metric> is a calibrated metric of `test`, not a group."""
+    """Averages over the splits that share a prefix, e.g. for test_c/<c>/<s>/<metric>:
+    test_c/mean/<metric> (all corruptions and severities), test_c/<c>/mean/<metric> (one
+    corruption over its severities) and test_c/mean/<s>/<metric> (one severity over the
+    corruptions); calibrated metrics (…/ts/<metric>) alike. Only splits whose name has a '/'
+    form groups: test/ts/<metric> is a calibrated metric of `test`, not a group."""
     groups: dict[str, list[float]] = {}
     for split in (s for s in splits if "/" in s):
-        group = split.split("/")[0]
+        parts = split.split("/")
+        names = [f"{parts[0]}/mean"]
+        if len(parts) == 3:  # <group>/<kind>/<level>
+            names += [f"{parts[0]}/{parts[1]}/mean", f"{parts[0]}/mean/{parts[2]}"]
         for key, value in metrics.items():
             if key.startswith(split + "/"):
-                groups.setdefault(f"{group}/mean/{key[len(split) + 1:]}", []).append(value)
+                for name in names:
+                    groups.setdefault(f"{name}/{key[len(split) + 1:]}", []).append(value)
     return {k: float(np.mean(v)) for k, v in groups.items()}
 
 
