@@ -28,7 +28,7 @@ METHODS = ("sve", "svf", "lora_ensemble", "deep_ensemble", "deep_ensemble_lp", "
 TRAINS = {"sve": ("encoder.", "head."), "svf": ("encoder.", "head."),
           "lora_ensemble": ("encoder.", "head."), "deep_ensemble": ("de_encoders.", "head."),
           "deep_ensemble_lp": ("head.",), "mc_dropout": ("encoder.", "head."),
-          "single": ("de_encoders.", "head.")}
+          "single": ("encoder.", "head.")}
 OWN = {"sve": "sve_", "svf": "sve_", "lora_ensemble": "lora_"}  # adapter params inside encoder
 INFO = DataInfo(task="classification", num_classes=3)
 
