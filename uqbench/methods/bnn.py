@@ -82,7 +82,7 @@ class BayesianMLP(Method):
         if modality != "tabular":
             raise ValueError(
                 f"method '{name}' propagates moments through a tabular backbone's network; "
-                f"'{getattr(backbone, 'name', backbone)}' is a {modality} backbone. Pick one of: "
+                f"'{getattr(backbone, 'name', backbone)}' has modality {modality!r}. Pick one of: "
                 f"{tabular_backbones()}")
         if prior_std <= 0 or not math.isfinite(prior_std):
             raise ValueError(f"method.prior_std must be a positive number, got {prior_std}")

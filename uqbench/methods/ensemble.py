@@ -200,7 +200,7 @@ class EnsembleMethod(Method):
         if modality not in FEATURE_MODALITIES:
             raise ValueError(
                 f"method '{name}' classifies the features of an image or text backbone; "
-                f"'{getattr(backbone, 'name', backbone)}' is a {modality} backbone. Pick one of: "
+                f"'{getattr(backbone, 'name', backbone)}' has modality {modality!r}. Pick one of: "
                 f"{', '.join(options_with('backbone', 'targets'))}")
         self.num_classes = int(info.num_classes)
         self.multiple_choice = bool(info.multiple_choice)
