@@ -39,6 +39,12 @@ Inputs = torch.Tensor | dict[str, torch.Tensor]
 FEATURE_MODALITIES = ("image", "text")
 
 
+def wrappable_backbones() -> str:
+    """The backbone configs that declare target layers: the pretrained image and text encoders
+    every ensemble method (adapter or not) can use."""
+    return ", ".join(options_with("backbone", "targets")) or "<no backbone config with targets>"
+
+
 # --- members in the batch ---------------------------------------------------------------------
 
 def repeat_members(inputs: Inputs, members: int) -> Inputs:
@@ -115,9 +121,8 @@ def resolve_targets(backbone: Any, targets: str | Sequence[str] | None, method: 
         where = f"backbone.{field} is empty" if field else "method.targets is empty"
         raise ValueError(
             f"method '{method}' adapts pretrained linear layers, but backbone '{name}' declares "
-            f"none ({where}). Pick a backbone that declares targets "
-            f"({', '.join(options_with('backbone', 'targets'))}) or set "
-            f"method.targets=[<module-name suffixes>]")
+            f"none ({where}). Pick a backbone that declares targets ({wrappable_backbones()}) "
+            f"or set method.targets=[<module-name suffixes>]")
     return chosen
 
 
@@ -173,8 +178,6 @@ def nbytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-
-
 class EnsembleMethod(Method):
     """M members over one pretrained encoder; logits (M, B, C); loss (1/M) Σ_m CE(logits_m, y).
 
@@ -201,7 +204,7 @@ class EnsembleMethod(Method):
             raise ValueError(
                 f"method '{name}' classifies the features of an image or text backbone; "
                 f"'{getattr(backbone, 'name', backbone)}' has modality {modality!r}. Pick one of: "
-                f"{', '.join(options_with('backbone', 'targets'))}")
+                f"{wrappable_backbones()}")
         self.num_classes = int(info.num_classes)
         self.multiple_choice = bool(info.multiple_choice)
         self.backbone_name = backbone.name
