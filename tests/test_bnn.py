@@ -7,12 +7,14 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from uqbench.backbones.base import Backbone
 from uqbench.backbones.mlp import MLP
 from uqbench.contracts import DataInfo
 from uqbench.data.polynomial import PolynomialData
 from uqbench.loggers import NullLogger
 from uqbench.methods.base import Method
 from uqbench.methods.bnn import BayesianMLP
+from uqbench.methods.moments import GaussianLinear, MomentLeakyReLU
 from uqbench.tasks.regression import RegressionTask
 from uqbench.training import NonFiniteLossError
 
@@ -34,6 +36,53 @@ def test_width_4_matches_the_reference_counts():
     """METHODS.md's quick trial: 26 (embedded) vs 36 (learned) parameters at width 4."""
     assert BayesianMLP(MLP(width=4), INFO, variance="embedded").param_counts()["trainable"] == 26
     assert BayesianMLP(MLP(width=4), INFO, variance="learned").param_counts()["trainable"] == 36
+
+
+@pytest.mark.parametrize("activation,slope,kind", [("leaky_relu", 0.2, torch.nn.LeakyReLU),
+                                                   ("relu", 0.0, torch.nn.ReLU)])
+def test_mlp_honours_the_backbone_contract(activation, slope, kind):
+    bb = MLP(width=5, depth=2, activation=activation, slope=slope)
+    assert isinstance(bb, Backbone) and bb.modality == "tabular" and not bb.pretrained
+    assert bb.targets == [] and bb.attention_targets == [] and bb.feature_dim == 5
+    net = bb.build(3)
+    assert [type(m) for m in net] == [torch.nn.Linear, kind, torch.nn.Linear, kind]
+    assert (net[0].in_features, net[0].out_features, net[2].in_features) == (3, 5, 5)
+    assert net(torch.zeros(7, 3)).shape == (7, 5)
+
+
+@pytest.mark.parametrize("activation,slope", [("leaky_relu", 0.1), ("relu", 0.0)])
+def test_bnn_is_the_hand_built_twin_of_the_mlp(activation, slope):
+    """The backbone's network is built on the meta device, so it draws no random numbers: from
+    the same seed the BNN equals the Bayesian layers written out by hand."""
+    torch.manual_seed(0)
+    bnn = BayesianMLP(MLP(width=4, depth=2, activation=activation, slope=0.1), INFO,
+                      variance="learned", prior_std=0.5, rho_init=-3.0)
+    torch.manual_seed(0)
+    hand = [GaussianLinear(1, 4, 0.5, -3.0), GaussianLinear(4, 4, 0.5, -3.0),
+            GaussianLinear(4, 2, 0.5, -3.0)]  # learned variance: 2 outputs
+    kinds = [GaussianLinear, MomentLeakyReLU] * 2 + [GaussianLinear]  # ReLU: slope-0 subclass
+    assert all(isinstance(m, k) for m, k in zip(bnn.net, kinds, strict=True))
+    assert bnn.net[1].slope == bnn.net[3].slope == slope
+    expected = [p for layer in hand for p in layer.parameters()]
+    for (name, p), q in zip(bnn.named_parameters(), expected, strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_bnn_names_a_layer_it_cannot_convert():
+    class TanhMLP(MLP):
+        def build(self, in_features: int) -> torch.nn.Sequential:
+            return torch.nn.Sequential(torch.nn.Linear(in_features, self.width), torch.nn.Tanh())
+
+    with pytest.raises(ValueError, match=r"layer 1 \(Tanh\(\)\).*nn\.LeakyReLU.*work: .*mlp"):
+        BayesianMLP(TanhMLP(width=4), INFO)
+
+
+def test_bnn_on_an_image_backbone_names_the_tabular_ones():
+    from uqbench.backbones.timm_vit import TimmViT
+
+    vit = TimmViT(name="tiny_vit", model="vit_tiny_patch16_224", pretrained=False)
+    with pytest.raises(ValueError, match="'tiny_vit' has modality 'image'. Pick one of: mlp"):
+        BayesianMLP(vit, INFO)
 
 
 def _trained(variance: str) -> tuple[BayesianMLP, PolynomialData]:

@@ -28,7 +28,7 @@ METHODS = ("sve", "svf", "lora_ensemble", "deep_ensemble", "deep_ensemble_lp", "
 TRAINS = {"sve": ("encoder.", "head."), "svf": ("encoder.", "head."),
           "lora_ensemble": ("encoder.", "head."), "deep_ensemble": ("de_encoders.", "head."),
           "deep_ensemble_lp": ("head.",), "mc_dropout": ("encoder.", "head."),
-          "single": ("de_encoders.", "head.")}
+          "single": ("encoder.", "head.")}
 OWN = {"sve": "sve_", "svf": "sve_", "lora_ensemble": "lora_"}  # adapter params inside encoder
 INFO = DataInfo(task="classification", num_classes=3)
 
@@ -174,6 +174,67 @@ def test_one_step_trains_only_the_methods_parameters(cfg, text_batch, backbone, 
     assert moved - {"head.weight", "head.bias"} or method == "deep_ensemble_lp"
 
 
+# Full fine-tuning methods train these encoders whole (besides the head).
+FINE_TUNED = {"deep_ensemble": "de_encoders.", "mc_dropout": "encoder.", "single": "encoder."}
+
+
+def declared(m, method: str) -> set[str]:
+    """What the method must train, read from the declarations: every wrapper's adapter_names
+    (entries that are None, e.g. a bias-free layer's bias, do not exist), the head, and the
+    whole encoder of the full fine-tuning methods."""
+    names = {f"{mod_name}.{attr}" for mod_name, mod in m.named_modules()
+             for attr in getattr(mod, "adapter_names", ()) if getattr(mod, attr) is not None}
+    prefixes = ("head.", FINE_TUNED[method]) if method in FINE_TUNED else ("head.",)
+    return names | {n for n, _ in m.named_parameters() if n.startswith(prefixes)}
+
+
+# Declared adapter parameters: wrapped layers (as in test_replacement_counts) × 2 parameters
+# each, except SVE on the bias-free LLaMA layers (sve_s only).
+ADAPTER_PARAMS = ("sve_s", "sve_bias", "lora_A", "lora_B")
+ADAPTERS = {("tiny_vit", "sve"): 8 * 2, ("tiny_bert", "sve"): 12 * 2, ("tiny_llama", "sve"): 14,
+            ("tiny_vit", "lora_ensemble"): 4 * 2, ("tiny_bert", "lora_ensemble"): 8 * 2,
+            ("tiny_llama", "lora_ensemble"): 8 * 2}
+
+
+def test_wrappers_declare_their_trainable_parameters():
+    assert SVELinear.adapter_names == ("sve_s", "sve_bias")
+    assert LoRALinear.adapter_names == ("lora_A", "lora_B")
+
+
+@pytest.mark.parametrize("backbone", BACKBONES)
+@pytest.mark.parametrize("method", METHODS)
+def test_declared_parameters_and_only_they_get_gradients(cfg, text_batch, backbone, method):
+    overrides = ["method=deep_ensemble_lp"] if method == "deep_ensemble_lp" else []
+    m, _ = build(cfg, backbone, method, *overrides)
+    expected = declared(m, method)
+    adapters = {n for n in expected if n.rpartition(".")[2] in ADAPTER_PARAMS}
+    assert len(adapters) == ADAPTERS.get((backbone, method.replace("svf", "sve")), 0)
+    m.train()
+    x, y = inputs_for(backbone, text_batch), torch.tensor([0, 1, 2, 0, 1])
+    m.loss((x, y)).backward()
+    assert {n for n, p in m.named_parameters() if p.grad is not None} == expected
+    assert set(m.trainable_state()) == expected
+    params = dict(m.named_parameters())
+    assert m.param_counts()["trainable"] == sum(params[n].numel() for n in expected)
+
+
+def test_trainable_state_restores_the_declared_parameters_only(cfg):
+    m, _ = build(cfg, "tiny_vit", "lora_ensemble")
+    state = m.trainable_state()
+    frozen = m.encoder.get_submodule("blocks.0.attn.qkv").base_layer.weight
+    frozen_before = frozen.detach().clone()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(1.0)
+    m.load_trainable_state(state)
+    params = dict(m.named_parameters())
+    for n, t in state.items():
+        assert torch.equal(params[n], t), n
+    assert torch.equal(frozen, frozen_before + 1.0)  # not part of the state: left as it is
+    with pytest.raises(KeyError, match="missing: \\['head.bias'\\]"):
+        m.load_trainable_state({n: t for n, t in state.items() if n != "head.bias"})
+
+
 def test_members_differ_after_one_step(cfg):
     for method, key in (("lora_ensemble", "lora_B"), ("deep_ensemble", None)):
         m, _ = build(cfg, "tiny_vit", method)
@@ -293,6 +354,19 @@ def test_mc_dropout_keeps_only_dropout_on_at_test_time(cfg):
     assert m(x).shape == (1, 2, 3)
 
 
+def test_mc_dropout_members_are_its_passes_over_one_head(cfg):
+    m, _ = build(cfg, "tiny_vit", "mc_dropout", "method.samples=5")
+    assert m.members == 5 and m.settings()["members"] == 5 and m.settings()["samples"] == 5
+    assert m.head.weight.shape == (1, 3, 16)  # one set: C = 3 classes, D = 16 features
+    assert m.param_counts()["heads"] == 3 * 16 + 3 and m.param_counts()["added"] == 0
+    x = torch.randn(2, 3, 16, 16)
+    m.eval()
+    with torch.no_grad():
+        assert m.features(x).shape == (5 * 2, 16) and m(x).shape == (5, 2, 3)
+    m.train()
+    assert m.features(x).shape == (2, 16)  # training: one pass
+
+
 def test_mc_dropout_with_p_zero_is_deterministic(cfg):
     m, _ = build(cfg, "tiny_vit", "mc_dropout", "method.samples=3", "method.p=0")
     m.eval()
@@ -327,6 +401,21 @@ def test_bad_method_settings_fail_with_a_clear_error(cfg, method, override, matc
 def test_adapter_method_on_an_mlp_backbone_fails_clearly(cfg):
     with pytest.raises(ValueError, match="declares none"):
         build(cfg, "mlp", "lora_ensemble")
+
+
+# Backbones whose module names an adapter method can wrap (conf/backbone/*.yaml with targets).
+WRAPPABLE = ("tiny_vit", "dino_vits16", "dinov2_vits14", "tiny_bert", "bert_base", "tiny_llama",
+             "llama2_7b")
+
+
+@pytest.mark.parametrize("method,before_list", [("lora_ensemble", "declares targets ("),
+                                                ("single", "Pick one of: ")])
+def test_backbone_errors_list_the_configs_that_work(cfg, method, before_list):
+    with pytest.raises(ValueError) as err:
+        build(cfg, "mlp", method)
+    listed = str(err.value).split(before_list, 1)[1]
+    assert all(name in listed for name in WRAPPABLE), listed
+    assert "mlp" not in listed
 
 
 def test_missing_checkpoint_names_the_path_and_the_fix(cfg, tmp_path):
@@ -369,6 +458,26 @@ def test_svd_cache_reuses_factors_and_notices_new_weights(tmp_path):
     assert torch.equal(sve.svd(w, tmp_path, "layer")[1], torch.full((5,), 7.0))
     torch.testing.assert_close(sve.svd(w + 1, tmp_path, "layer")[1],
                                torch.linalg.svdvals(w + 1))
+
+
+# --- Single -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("finetune", [True, False])
+def test_single_is_one_encoder_and_one_head(cfg, finetune):
+    from uqbench.methods.deep_ensemble import DeepEnsemble
+
+    m, ref = build(cfg, "tiny_vit", "single", f"method.finetune={finetune}", reference=True)
+    assert not isinstance(m, DeepEnsemble)
+    base = sum(p.numel() for p in ref.parameters())  # the independently built encoder
+    heads = 3 * 16 + 3  # one head: C = 3 classes over D = 16 features, and its bias
+    counts = m.param_counts()
+    assert (counts["base"], counts["heads"], counts["total"]) == (base, heads, base + heads)
+    assert counts["trainable"] == (base + heads if finetune else heads)
+    x = torch.randn(4, 3, 16, 16)
+    m.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(m(x)[0], ref(x) @ m.head.weight[0].T + m.head.bias[0])
+    assert m(x).shape == (1, 4, 3)
 
 
 # --- Deep Ensemble, vectorised ----------------------------------------------------------------

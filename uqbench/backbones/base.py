@@ -1,15 +1,18 @@
-"""The contract of a pretrained backbone, shared by the timm and Hugging Face wrappers.
+"""The contract of a backbone, shared by the timm and Hugging Face wrappers and the MLP.
 
 A backbone is a small description object built by Hydra from ``conf/backbone/<name>.yaml``; the
 network itself is made by :meth:`Backbone.build`, so that a method can build it once (or M
 times) where and when it wants (e.g. on the ``meta`` device to count parameters).
 
 - ``name``: used in the run folder path.
+- ``modality``: what the inputs are: ``image``, ``text`` (pretrained encoders whose features
+  the classification methods read) or ``tabular`` (the MLP of the regression benchmarks).
 - ``targets``: module-name suffixes of the linear layers a method may adapt (all of them, the
   SVE default); ``attention_targets``: the attention projections only (LoRA-Ensemble's default).
   Method code never names an architecture's module paths; it reads these lists.
-- ``build() -> nn.Module``: the encoder, inputs → features (B, feature_dim).
-- ``feature_dim``: width of the features the classification heads read.
+- ``build() -> nn.Module``: the encoder, inputs → features (B, feature_dim). A tabular
+  backbone's input width is set by the data, so it takes it: ``build(in_features)``.
+- ``feature_dim``: width of the features the methods' heads (or output layers) read.
 - Image backbones: ``data_config()`` (input_size (3, H, W), mean, std, crop_pct, interpolation).
   Text backbones: ``tokenizer()`` and ``max_length``; inputs arrive as dicts of tensors
   (``input_ids``, ``attention_mask``, optional ``token_type_ids``).
@@ -24,7 +27,7 @@ from torch import nn
 
 class Backbone:
     name: str = "backbone"
-    modality: str = "image"  # image | text
+    modality: str = "image"  # image | text | tabular
 
     def __init__(self, name: str, targets: Sequence[str] = (),
                  attention_targets: Sequence[str] = (), pretrained: bool = True) -> None:

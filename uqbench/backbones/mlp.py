@@ -1,20 +1,28 @@
 """A small multilayer perceptron, the backbone of the regression benchmarks.
 
-The spec (depth, width, activation) is shared by every method: the deterministic methods build
-it with :meth:`MLP.build`, the variational BNN builds its Bayesian twin from the same fields.
+Like every backbone it is a description; :meth:`MLP.build` makes the network. Its input width
+is set by the data, so ``build`` takes it: ``build(in_features)`` returns the deterministic
+feature network, (B, in_features) → (B, feature_dim). Methods add their own output layer; the
+variational BNN builds this network and converts it layer by layer into its Bayesian twin.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from uqbench.backbones.base import Backbone
+
 ACTIVATIONS = ("leaky_relu", "relu")
 
 
-class MLP:
-    """``depth`` hidden layers of ``width`` units with a (leaky-)ReLU between layers."""
+class MLP(Backbone):
+    """``depth`` hidden layers of ``width`` units, each followed by a (leaky-)ReLU.
 
-    targets: tuple[str, ...] = ()  # no pretrained linear layers for adapter methods
+    A tabular backbone with no pretrained weights: ``targets`` and ``attention_targets`` are
+    empty (adapter methods have nothing to wrap) and ``pretrained`` is false.
+    """
+
+    modality = "tabular"
 
     def __init__(self, name: str = "mlp", width: int = 16, depth: int = 1,
                  activation: str = "leaky_relu", slope: float = 0.1) -> None:
@@ -26,21 +34,22 @@ class MLP:
             raise ValueError(f"backbone.activation '{activation}' is not one of {ACTIVATIONS}")
         if activation == "leaky_relu" and not 0 <= slope < 1:
             raise ValueError(f"backbone.slope must lie in [0, 1), got {slope}")
-        self.name = name
+        super().__init__(name, targets=(), attention_targets=(), pretrained=False)
         self.width, self.depth = int(width), int(depth)
         self.activation = activation
         self.slope = float(slope) if activation == "leaky_relu" else 0.0
 
-    @property
-    def hidden(self) -> list[int]:
-        return [self.width] * self.depth
-
-    def build(self, in_dim: int, out_dim: int) -> nn.Sequential:
-        """Deterministic network (B, in_dim) → (B, out_dim)."""
+    def build(self, in_features: int) -> nn.Sequential:
+        """Deterministic feature network (B, in_features) → (B, width): ``depth`` times
+        nn.Linear then the activation (nn.LeakyReLU(slope) or nn.ReLU)."""
         layers: list[nn.Module] = []
-        d = in_dim
-        for h in self.hidden:
-            layers += [nn.Linear(d, h), nn.LeakyReLU(self.slope)]
-            d = h
-        layers.append(nn.Linear(d, out_dim))
+        d = int(in_features)
+        for _ in range(self.depth):
+            act = nn.LeakyReLU(self.slope) if self.activation == "leaky_relu" else nn.ReLU()
+            layers += [nn.Linear(d, self.width), act]
+            d = self.width
         return nn.Sequential(*layers)
+
+    @property
+    def feature_dim(self) -> int:
+        return self.width

@@ -23,7 +23,9 @@ class Method(nn.Module):
     """Base class: subclasses set ``task`` and implement ``forward`` and ``loss``.
 
     ``settings()`` returns the method's key settings (members, rank, variance, …) that go into
-    results.json and the run folder's name.
+    results.json and the run folder's name. ``trainable_parameters()`` declares what the method
+    trains (all of its parameters unless a subclass says otherwise); the parameter counts and
+    the best-checkpoint state follow from it.
     """
 
     task: str = "classification"
@@ -35,17 +37,26 @@ class Method(nn.Module):
     def settings(self) -> dict[str, Any]:
         return {}
 
+    def trainable_parameters(self) -> dict[str, nn.Parameter]:
+        """Name → parameter of everything the method trains, in registration order."""
+        return dict(self.named_parameters())
+
     def param_counts(self) -> dict[str, int]:
         total = sum(p.numel() for p in self.parameters())
-        trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
+        trainable = sum(p.numel() for p in self.trainable_parameters().values())
         return {"total": total, "trainable": trainable}
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """Copy of the trainable parameters only (cheap best-checkpoint for frozen backbones)."""
-        return {n: p.detach().clone() for n, p in self.named_parameters() if p.requires_grad}
+        return {n: p.detach().clone() for n, p in self.trainable_parameters().items()}
 
     def load_trainable_state(self, state: dict[str, torch.Tensor]) -> None:
-        params = dict(self.named_parameters())
+        """Restore a :meth:`trainable_state` copy; its names must be exactly the trained ones."""
+        params = self.trainable_parameters()
+        if set(state) != set(params):
+            missing, unknown = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+            raise KeyError(f"method '{self.name}': the state does not match the parameters it "
+                           f"trains (missing: {missing[:5]}, unknown: {unknown[:5]})")
         with torch.no_grad():
             for n, t in state.items():
                 params[n].copy_(t)

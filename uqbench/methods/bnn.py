@@ -1,4 +1,9 @@
-"""Sampling-free variational Bayesian network with embedded or learned variance (METHODS.md §2).
+"""Sampling-free variational Bayesian network with embedded or learned variance.
+
+The network is the backbone's own: a tabular backbone (the MLP) builds its deterministic
+feature network, (B, in) → (B, feature_dim), and the BNN converts it layer by layer into its
+moment-propagating twin (nn.Linear → GaussianLinear, nn.LeakyReLU / nn.ReLU → MomentLeakyReLU)
+and adds a Gaussian output layer.
 
 ``variance: embedded`` — one output per target; its propagated variance *is* the total predictive
 variance (aleatoric noise is absorbed by the parameter variances).
@@ -17,20 +22,54 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from uqbench.backbones.mlp import MLP
+from uqbench.configs import options_with
 from uqbench.contracts import Batch, DataInfo, RegressionOutput
 from uqbench.methods.base import Method
-from uqbench.methods.moments import GaussianLinear, MomentLeakyReLU, MomentSequential
+from uqbench.methods.moments import (
+    GaussianLinear,
+    MomentLeakyReLU,
+    MomentModule,
+    MomentReLU,
+    MomentSequential,
+)
 
 VARIANCES = ("embedded", "learned")
 INFERENCES = ("moments", "mc")
+CONVERTS = "nn.Linear (with a bias), nn.LeakyReLU, nn.ReLU"
+
+
+def tabular_backbones() -> str:
+    """The backbone configs the BNN builds on: the MLPs, the only ones with a hidden width."""
+    return ", ".join(options_with("backbone", "width")) or "<no MLP backbone configs found>"
+
+
+def moment_twin(module: nn.Module, prior_std: float, rho_init: float) -> MomentModule | None:
+    """The moment-propagating twin of one deterministic layer, with fresh μ and ρ, or None.
+
+    nn.Linear(in, out) → GaussianLinear(in, out): moments (B, in) → (B, out);
+    nn.LeakyReLU(a) → MomentLeakyReLU(a), nn.ReLU → MomentReLU: elementwise, shape kept.
+    """
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        return GaussianLinear(module.in_features, module.out_features, prior_std, rho_init)
+    if isinstance(module, nn.LeakyReLU):
+        return MomentLeakyReLU(module.negative_slope)
+    if isinstance(module, nn.ReLU):
+        return MomentReLU()
+    return None
 
 
 class BayesianMLP(Method):
+    """A mean-field Gaussian twin of the backbone's network plus a Gaussian output layer.
+
+    Moments (B, in) → (B, feature_dim) through the converted backbone layers, then
+    (B, out) or, learned variance, (B, 2·out) through the output layer. Every parameter trains.
+    """
+
     task = "regression"
 
-    def __init__(self, backbone: MLP, info: DataInfo, name: str = "bnn",
+    def __init__(self, backbone: Any, info: DataInfo, name: str = "bnn",
                  variance: str = "embedded", inference: str = "moments", mc_samples: int = 200,
                  prior_std: float = 1.0, rho_init: float = -2.0, kl_weight: float | None = None,
                  min_var: float = 1e-8) -> None:
@@ -39,8 +78,12 @@ class BayesianMLP(Method):
             raise ValueError(f"method.variance '{variance}' is not one of {VARIANCES}")
         if inference not in INFERENCES:
             raise ValueError(f"method.inference '{inference}' is not one of {INFERENCES}")
-        if not isinstance(backbone, MLP):
-            raise ValueError(f"method '{name}' needs backbone=mlp, got {type(backbone).__name__}")
+        modality = getattr(backbone, "modality", None)
+        if modality != "tabular":
+            raise ValueError(
+                f"method '{name}' propagates moments through a tabular backbone's network; "
+                f"'{getattr(backbone, 'name', backbone)}' has modality {modality!r}. Pick one of: "
+                f"{tabular_backbones()}")
         if prior_std <= 0 or not math.isfinite(prior_std):
             raise ValueError(f"method.prior_std must be a positive number, got {prior_std}")
         if mc_samples < 2:
@@ -54,12 +97,24 @@ class BayesianMLP(Method):
         self.min_var = float(min_var)
         self.out_dim = int(info.out_dim or 1)
         outputs = self.out_dim * (2 if variance == "learned" else 1)
-        layers: list[torch.nn.Module] = []
-        d = int(info.in_dim or 1)
-        for h in backbone.hidden:
-            layers += [GaussianLinear(d, h, prior_std, rho_init), MomentLeakyReLU(backbone.slope)]
-            d = h
-        layers.append(GaussianLinear(d, outputs, prior_std, rho_init))
+        # The deterministic network only describes the layers: on the meta device it holds no
+        # memory and draws no random numbers, so the twin's initialisation is all that does.
+        with torch.device("meta"):
+            net = backbone.build(int(info.in_dim or 1))
+        if not isinstance(net, nn.Sequential):
+            raise ValueError(f"method '{name}' converts an nn.Sequential layer by layer; backbone "
+                             f"'{backbone.name}' built a {type(net).__name__}. Backbones that "
+                             f"work: {tabular_backbones()}")
+        layers: list[MomentModule] = []
+        for child, module in net.named_children():
+            twin = moment_twin(module, prior_std, rho_init)
+            if twin is None:
+                raise ValueError(
+                    f"method '{name}' cannot convert layer {child} ({module!r}) of backbone "
+                    f"'{backbone.name}' into a moment-propagating layer; it converts "
+                    f"{CONVERTS}. Backbones that work: {tabular_backbones()}")
+            layers.append(twin)
+        layers.append(GaussianLinear(backbone.feature_dim, outputs, prior_std, rho_init))
         self.net = MomentSequential(*layers)
 
     def settings(self) -> dict[str, Any]:

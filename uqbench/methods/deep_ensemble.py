@@ -1,4 +1,4 @@
-"""Deep Ensemble: M members, each with its own full backbone weights and head (METHODS.md §1).
+"""Deep Ensemble: M members, each with its own full backbone weights and head.
 
 Fine-tuned (``finetune: true``, the honest, expensive baseline): M copies of the pretrained
 encoder, all trainable, no weight shared; member diversity comes from the independently
@@ -31,21 +31,23 @@ class DeepEnsemble(EnsembleMethod):
     """M independent (encoder copy, head) pairs; logits (M, B, C), member m from copy m.
 
     Parameters of the copies are named ``de_encoders.<m>.…`` (or, vectorised,
-    ``de_params.<name with __ for .>`` of shape (M, …)), the heads ``head.…``.
+    ``de_params.<name with __ for .>`` of shape (M, …)), the heads ``head.…``. Fine-tuned, it
+    trains the copies and the heads; linear-probed, the heads only.
     """
-
-    prefix = "de_"
 
     def __init__(self, backbone: Any, info: DataInfo, members: int = 4, finetune: bool = True,
                  vectorize: bool = False, name: str = "deep_ensemble") -> None:
         super().__init__(backbone, info, members, name)
         self.finetune = bool(finetune)
         self.vectorize = bool(vectorize) and self.finetune
-        if not self.finetune:
-            return
+        if self.finetune:
+            self._copy_encoder()
+        self.train_declared()
+
+    def _copy_encoder(self) -> None:
+        """Replace the one encoder by M copies (a loop over a ModuleList, or stacked weights)."""
         encoder = self.encoder
         del self.encoder
-        encoder.requires_grad_(True)
         copies = [encoder] + [copy.deepcopy(encoder) for _ in range(self.members - 1)]
         if not self.vectorize:
             self.de_encoders = nn.ModuleList(copies)
@@ -58,6 +60,11 @@ class DeepEnsemble(EnsembleMethod):
         for k, v in buffers.items():
             self.register_buffer(f"de_buffer__{_key(k)}", v)
         self._skeleton = [encoder.to("meta")]  # a list: not a submodule, holds no memory
+
+    def fine_tuned(self) -> list[nn.Module]:
+        if not self.finetune:
+            return []
+        return [self.de_params] if self.vectorize else [self.de_encoders]
 
     def _stacked_features(self, inputs: Inputs) -> torch.Tensor:
         from torch.func import functional_call

@@ -1,10 +1,10 @@
-"""What every ensemble method shares: members in the batch, layer replacement, heads, counts.
+"""What every ensemble method shares: members in the batch, layer replacement, the method.
 
-Members-in-batch (METHODS.md §1). An input batch x of shape (B, …) is repeated ONCE at the stem
-to (M·B, …) in member-major order ``(m b)``: rows m·B:(m+1)·B belong to member m. Every
-ensemble-aware layer receives (M·B, …, in), views it as (M, B·…, in) and applies member m's
-parameters to block m; everything else in the backbone (attention, norms, embeddings) is
-unchanged code that simply sees M times more batch rows. The heads return (M, B, C).
+Members in the batch. An input batch x of shape (B, …) is repeated ONCE at the stem to (M·B, …)
+in member-major order ``(m b)``: rows m·B:(m+1)·B belong to member m. Every member-aware layer
+receives (M·B, …, in), views it as (M, B·…, in) and applies member m's parameters to block m;
+everything else in the backbone (attention, norms, embeddings) is unchanged code that simply
+sees M times more batch rows. The heads (``uqbench.methods.heads``) return (M, B, C).
 
 Layer replacement (the peft way). A method WRAPS each targeted ``nn.Linear`` (has-a
 ``base_layer``; the pretrained layer is kept, not copied) and swaps it in through its parent
@@ -12,22 +12,37 @@ module (``model.get_submodule(parent)`` + ``setattr``), which works on nested mo
 are module-name suffixes read from the backbone's config; matching is on dotted-name boundaries
 (``output.dense`` matches ``layer.0.output.dense`` and ``layer.0.attention.output.dense``, not
 ``pooler.dense``); each module is wrapped once even if several suffixes match it.
+
+What a method trains is declared, never inferred: each wrapper names its own parameters in
+``adapter_names`` (as peft's layers do), a method lists the modules it fine-tunes whole in
+``fine_tuned()``, and the head always trains. ``requires_grad``, the parameter counts and the
+best-checkpoint state all follow from those declarations.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from uqbench.configs import options_with
 from uqbench.contracts import Batch, DataInfo
 from uqbench.methods.base import Method
+from uqbench.methods.choices import mask_absent, score_choices
+from uqbench.methods.heads import EnsembleHead, answer_rows
 
 Inputs = torch.Tensor | dict[str, torch.Tensor]
+# Backbones whose build() takes no input width and returns a feature encoder (B, feature_dim).
+FEATURE_MODALITIES = ("image", "text")
+
+
+def wrappable_backbones() -> str:
+    """The backbone configs that declare target layers: the pretrained image and text encoders
+    every ensemble method (adapter or not) can use."""
+    return ", ".join(options_with("backbone", "targets")) or "<no backbone config with targets>"
 
 
 # --- members in the batch ---------------------------------------------------------------------
@@ -53,11 +68,15 @@ def split_members(x: torch.Tensor, members: int) -> torch.Tensor:
 
 
 class MemberLinear(nn.Module):
-    """Base of the ensemble-aware wrappers of a frozen ``nn.Linear`` (``base_layer``).
+    """Base of the member-aware wrappers of a frozen ``nn.Linear`` (``base_layer``).
 
     Input (M·B, …, in_features) in member-major order, output (M·B, …, out_features); member m's
-    parameters act on rows m·B:(m+1)·B.
+    parameters act on rows m·B:(m+1)·B. ``adapter_names``: the names of the parameters the
+    wrapper adds and trains (an entry may be None, e.g. the bias of a bias-free layer); the
+    wrapped layer's own parameters stay frozen.
     """
+
+    adapter_names: tuple[str, ...] = ()
 
     def __init__(self, base_layer: nn.Linear, members: int) -> None:
         super().__init__()
@@ -65,6 +84,11 @@ class MemberLinear(nn.Module):
         self.members = members
         self.in_features = base_layer.in_features
         self.out_features = base_layer.out_features
+
+    def adapters(self) -> list[nn.Parameter]:
+        """The parameters named in ``adapter_names`` that exist, in declaration order."""
+        found = (getattr(self, name) for name in self.adapter_names)
+        return [p for p in found if p is not None]
 
     def extra_repr(self) -> str:
         return f"members={self.members}, in={self.in_features}, out={self.out_features}"
@@ -97,9 +121,8 @@ def resolve_targets(backbone: Any, targets: str | Sequence[str] | None, method: 
         where = f"backbone.{field} is empty" if field else "method.targets is empty"
         raise ValueError(
             f"method '{method}' adapts pretrained linear layers, but backbone '{name}' declares "
-            f"none ({where}). Pick a transformer backbone (tiny_vit, dino_vits16, dinov2_vits14, "
-            f"dinov2_vitb14, tiny_bert, bert_base, tiny_llama, llama2_7b) or set "
-            f"method.targets=[<module-name suffixes>]")
+            f"none ({where}). Pick a backbone that declares targets ({wrappable_backbones()}) "
+            f"or set method.targets=[<module-name suffixes>]")
     return chosen
 
 
@@ -131,35 +154,6 @@ def replace_linears(model: nn.Module, suffixes: Sequence[str],
     return names
 
 
-# --- heads ------------------------------------------------------------------------------------
-
-class EnsembleHead(nn.Module):
-    """M linear classification heads as one batched layer.
-
-    weight (M, C, D), bias (M, C); each member initialised independently like ``nn.Linear``.
-    Input features (G·B, D) in member-major order → logits (G, B, C), G = M. A single head
-    (M = 1) also serves G > 1 groups of rows (MC-Dropout's T samples).
-    """
-
-    def __init__(self, members: int, in_features: int, num_classes: int) -> None:
-        super().__init__()
-        self.members = members
-        self.weight = nn.Parameter(torch.empty(members, num_classes, in_features))
-        self.bias = nn.Parameter(torch.empty(members, num_classes))
-        bound = 1 / math.sqrt(in_features)  # nn.Linear's default init, per member
-        nn.init.uniform_(self.weight, -bound, bound)
-        nn.init.uniform_(self.bias, -bound, bound)
-
-    def forward(self, features: torch.Tensor, groups: int | None = None) -> torch.Tensor:
-        groups = groups or self.members
-        f = split_members(features, groups).to(self.weight.dtype)               # (G, B, D)
-        if self.members == 1:
-            return f @ self.weight[0].T + self.bias[0]                           # (G, B, C)
-        if groups != self.members:
-            raise RuntimeError(f"{self.members} heads cannot serve {groups} groups of rows")
-        return torch.einsum("mbd,mcd->mbc", f, self.weight) + self.bias[:, None, :]
-
-
 # --- the shared method ------------------------------------------------------------------------
 
 def positive_int(value: Any, field: str, hint: str = "") -> int:
@@ -171,28 +165,32 @@ def positive_int(value: Any, field: str, hint: str = "") -> int:
 
 
 def check_members(members: Any) -> int:
+    """``members`` as an int >= 1, or a ValueError with the sizes P1 uses."""
     return positive_int(members, "method.members",
                         " (P1 uses 4 for ViTs, 8 for BERT, 16 for LLaMA)")
 
 
-def count(tensors) -> int:
+def count(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() for t in tensors)
 
 
-def nbytes(tensors) -> int:
+def nbytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class EnsembleMethod(Method):
     """M members over one pretrained encoder; logits (M, B, C); loss (1/M) Σ_m CE(logits_m, y).
 
-    Builds the encoder, records its parameter count, freezes it and adds M heads. Subclasses
-    adapt the encoder (wrapping its layers) or replace it (Deep Ensemble). ``prefix`` is the
-    name prefix of the method's own parameters besides the heads (``head.``).
+    Checks the data and the backbone, builds the encoder, records its parameter count, freezes
+    it and adds the head: M parameter sets, or one shared by all members when the class sets
+    ``shared_head`` (MC-Dropout's T passes are one model). Subclasses adapt the encoder
+    (wrapping its layers), fine-tune it or replace it (Deep Ensemble), and end their
+    constructor with :meth:`train_declared`.
     """
 
     task = "classification"
-    prefix = ""
+    shared_head = False
+    released_params = 0  # pretrained entries the method dropped (SVE's decomposed W)
 
     def __init__(self, backbone: Any, info: DataInfo, members: int, name: str) -> None:
         super().__init__()
@@ -201,11 +199,12 @@ class EnsembleMethod(Method):
         if info.task != "classification" or not info.num_classes or info.num_classes < 2:
             raise ValueError(f"method '{name}' needs a classification dataset with >= 2 classes, "
                              f"got task={info.task!r}, num_classes={info.num_classes!r}")
-        if not callable(getattr(backbone, "build", None)) or not hasattr(backbone,
-                                                                          "feature_dim"):
-            raise ValueError(f"method '{name}' needs a pretrained feature backbone "
-                             f"(tiny_vit, dino_vits16, bert_base, …); "
-                             f"'{getattr(backbone, 'name', backbone)}' is not one")
+        modality = getattr(backbone, "modality", None)
+        if modality not in FEATURE_MODALITIES:
+            raise ValueError(
+                f"method '{name}' classifies the features of an image or text backbone; "
+                f"'{getattr(backbone, 'name', backbone)}' has modality {modality!r}. Pick one of: "
+                f"{wrappable_backbones()}")
         self.num_classes = int(info.num_classes)
         self.multiple_choice = bool(info.multiple_choice)
         self.backbone_name = backbone.name
@@ -217,40 +216,51 @@ class EnsembleMethod(Method):
         with torch.device(device):
             # multiple choice: one score per (example, choice) pair, the choices are the classes
             outputs = 1 if self.multiple_choice else self.num_classes
-            self.head = EnsembleHead(self.members, backbone.feature_dim, outputs)
-        rows = None
-        if info.answer_token_ids is not None and callable(getattr(backbone, "output_rows", None)):
-            rows = backbone.output_rows(info.answer_token_ids)                  # (C, D)
+            sets = 1 if self.shared_head else self.members
+            self.head = EnsembleHead(sets, backbone.feature_dim, outputs)
+        rows = answer_rows(backbone, info.answer_token_ids)                     # (C, D) or None
         if rows is not None:  # every member starts as the LM scoring the answer tokens
-            with torch.no_grad():
-                self.head.weight.copy_(rows.to(self.head.weight.dtype).expand_as(self.head.weight))
-                self.head.bias.zero_()
+            self.head.start_from_rows(rows)
         self.head_from_lm = rows is not None
 
+    # -- what the method trains ----------------------------------------------------------------
+    def fine_tuned(self) -> list[nn.Module]:
+        """The modules the method trains whole (fine-tuned encoders); none by default."""
+        return []
+
+    def trainable_parameters(self) -> dict[str, nn.Parameter]:
+        """The head, every member-aware layer's ``adapter_names`` and the ``fine_tuned()``
+        modules, by name, in registration order (the optimiser's order)."""
+        declared = list(self.head.parameters())
+        declared += [p for m in self.modules() if isinstance(m, MemberLinear)
+                     for p in m.adapters()]
+        declared += [p for module in self.fine_tuned() for p in module.parameters()]
+        ids = {id(p) for p in declared}
+        return {n: p for n, p in self.named_parameters() if id(p) in ids}
+
+    def train_declared(self) -> None:
+        """requires_grad on exactly the declared parameters; everything else is frozen."""
+        self.requires_grad_(False)
+        for p in self.trainable_parameters().values():
+            p.requires_grad_(True)
+
+    # -- forward and loss ----------------------------------------------------------------------
     def features(self, inputs: Inputs) -> torch.Tensor:
-        """Member-major features (M·B, D)."""
+        """inputs (B, …) or a dict of (B, T) tensors → member-major features (M·B, D)."""
         return self.encoder(repeat_members(inputs, self.members))
 
     def logits(self, inputs: Inputs) -> torch.Tensor:
         """inputs (B, …) or a dict of (B, T) tensors → logits (M, B, C)."""
-        return self.head(self.features(inputs))
+        return self.head(split_members(self.features(inputs), self.members))
 
     def forward(self, inputs: Inputs) -> torch.Tensor:
-        """Logits (M, B, C). Multiple choice: every (B, C, L) input is scored as B·C sequences,
-        each member's score of choice c is its logit for c, and absent choices (``choice_mask``
-        false) get the dtype's lowest value, i.e. probability 0."""
-        if not self.multiple_choice:
-            logits = self.logits(inputs)
-            mask = inputs.get("choice_mask") if isinstance(inputs, dict) else None
-            if mask is None:
-                return logits
-            return logits.masked_fill(~mask.bool(), torch.finfo(logits.dtype).min)
-        mask = inputs["choice_mask"]                                            # (B, C)
-        B, C = mask.shape
-        flat = {k: v.flatten(0, 1) for k, v in inputs.items() if k != "choice_mask"}
-        scores = self.logits(flat)                                              # (M, B·C, 1)
-        scores = scores.reshape(scores.shape[0], B, C)
-        return scores.masked_fill(~mask.bool(), torch.finfo(scores.dtype).min)
+        """Logits (M, B, C). Multiple choice: (B, C, L) inputs, each (example, choice) pair
+        scored on its own (``uqbench.methods.choices``); absent choices (``choice_mask``
+        false) get probability 0."""
+        if self.multiple_choice:
+            return score_choices(self.logits, inputs)
+        mask = inputs.get("choice_mask") if isinstance(inputs, dict) else None
+        return mask_absent(self.logits(inputs), mask)
 
     def loss(self, batch: Batch) -> torch.Tensor:
         """(1/M) Σ_m CE(logits_m, y): all members see the same mini-batch."""
@@ -259,14 +269,16 @@ class EnsembleMethod(Method):
         G, B, C = logits.shape
         return F.cross_entropy(logits.reshape(G * B, C).float(), y.repeat(G))
 
+    # -- reporting -----------------------------------------------------------------------------
     def settings(self) -> dict[str, Any]:
         return {"members": self.members, "head_from_lm": self.head_from_lm}
 
     def param_counts(self) -> dict[str, int | float]:
         """Parameter counts and memory.
 
-        base: the pretrained encoder as built (one copy). heads: the M heads.
-        total / trainable: every parameter of the method / those with requires_grad.
+        base: the pretrained encoder as built (one copy). heads: the head parameters.
+        total: every parameter of the method; trainable: the declared ones
+        (:meth:`trainable_parameters`).
         added = total + released − base − heads (released: pretrained entries the method
         dropped, e.g. SVE's decomposed W): what the ensemble stores beyond one pretrained model
         (SVE: M sets of singular values and biases; LoRA: M (A, B) pairs; Deep Ensemble: M − 1
@@ -278,14 +290,14 @@ class EnsembleMethod(Method):
         param_bytes, buffer_bytes = nbytes(params), nbytes(self.buffers())
         heads = count(self.head.parameters())
         total = count(params)
-        # pretrained entries a method dropped (SVE's decomposed W) still belong to the base model
-        added = total + getattr(self, "released_params", 0) - self.base_params - heads
+        # pretrained entries a method dropped still belong to the base model
+        added = total + self.released_params - self.base_params - heads
         return {
             "base": self.base_params,
             "added": added,
             "heads": heads,
             "total": total,
-            "trainable": count(p for p in params if p.requires_grad),
+            "trainable": count(self.trainable_parameters().values()),
             "overhead_pct": 100.0 * added / self.base_params,
             "base_bytes": self.base_bytes,
             "param_bytes": param_bytes,

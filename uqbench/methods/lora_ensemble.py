@@ -1,4 +1,4 @@
-"""LoRA-Ensemble (Mühlematter et al., arXiv 2405.14438; METHODS.md §1).
+"""LoRA-Ensemble (Mühlematter et al., arXiv 2405.14438).
 
 Member m adds a low-rank update to each targeted frozen layer: y = W x + b + scaling·B_m A_m x,
 A_m (r×in), B_m (out×r). As in the official code: B = 0 and A Xavier-uniform with gain 10 (so
@@ -31,9 +31,11 @@ class LoRALinear(MemberLinear):
 
     Input (M·B, …, in) in member-major order (rows m·B:(m+1)·B are member m's), output
     (M·B, …, out) = base_layer(x) + scaling · (x A_mᵀ) B_mᵀ for member m's rows.
-    Parameters (float32): lora_A (M, r, in), Xavier-uniform with gain ``init_gain`` per member
-    (fan_in = in, fan_out = r); lora_B (M, out, r), zeros.
+    Parameters (float32, the ``adapter_names``): lora_A (M, r, in), Xavier-uniform with gain
+    ``init_gain`` per member (fan_in = in, fan_out = r); lora_B (M, out, r), zeros.
     """
+
+    adapter_names = ("lora_A", "lora_B")
 
     def __init__(self, base_layer: nn.Linear, members: int, rank: int, init_gain: float,
                  scaling: float) -> None:
@@ -62,9 +64,8 @@ class LoRAEnsemble(EnsembleMethod):
     rank: r (8 in the official CIFAR runs). init_gain: Xavier gain of A (10, official).
     alpha: null = scaling 1 (official, no α/r); a number sets scaling = alpha / rank.
     targets: attention (default: backbone.attention_targets, i.e. q, k, v, o), all, or a list.
+    Trains each wrapped layer's lora_A and lora_B and the heads.
     """
-
-    prefix = "lora_"
 
     def __init__(self, backbone: Any, info: DataInfo, members: int = 4, rank: int = 8,
                  init_gain: float = 10.0, alpha: float | None = None,
@@ -85,6 +86,7 @@ class LoRAEnsemble(EnsembleMethod):
             self.encoder, suffixes,
             lambda n, layer: LoRALinear(layer, self.members, rank, self.init_gain, self.scaling),
             name)
+        self.train_declared()
 
     def settings(self) -> dict[str, Any]:
         return super().settings() | {

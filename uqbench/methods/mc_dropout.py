@@ -1,5 +1,9 @@
 """MC-Dropout: one fine-tuned model, dropout kept on at test time, T stochastic passes.
 
+The members of its predictive distribution are the T passes: ``members`` = T = ``samples``,
+and evaluation returns logits (T, B, C). All passes are one model, so they read ONE set of head
+parameters; training runs one pass, logits (1, B, C).
+
 Only ``nn.Dropout`` modules are put in train mode at test time; normalisation layers, timm's
 DropPath and the attention-probability dropout inside fused attention kernels (which follows
 its attention module's mode) stay in eval mode. The T passes run as ONE forward pass: the batch
@@ -16,7 +20,13 @@ import torch
 from torch import nn
 
 from uqbench.contracts import DataInfo
-from uqbench.methods.ensemble import EnsembleMethod, Inputs, positive_int, repeat_members
+from uqbench.methods.ensemble import (
+    EnsembleMethod,
+    Inputs,
+    positive_int,
+    repeat_members,
+    split_members,
+)
 
 
 class MCDropout(EnsembleMethod):
@@ -27,7 +37,7 @@ class MCDropout(EnsembleMethod):
     only the head.
     """
 
-    prefix = "mc_"
+    shared_head = True  # the T passes are samples of one model
 
     def __init__(self, backbone: Any, info: DataInfo, samples: int = 10,
                  p: float | None = 0.1, finetune: bool = True,
@@ -35,8 +45,8 @@ class MCDropout(EnsembleMethod):
         samples = positive_int(samples, "method.samples", " (stochastic test-time passes)")
         if p is not None and not 0 <= float(p) < 1:
             raise ValueError(f"method.p must be a dropout probability in [0, 1), got {p}")
-        super().__init__(backbone, info, members=1, name=name)
-        self.samples, self.finetune = samples, bool(finetune)
+        super().__init__(backbone, info, members=samples, name=name)
+        self.finetune = bool(finetune)
         self.p = None if p is None else float(p)
         dropouts = [m for m in self.encoder.modules() if isinstance(m, nn.Dropout)]
         if self.p is not None:
@@ -44,8 +54,11 @@ class MCDropout(EnsembleMethod):
                 m.p = self.p
         self.backbone_dropouts = len(dropouts)
         self.mc_dropout = nn.Dropout(0.1 if self.p is None else self.p)
-        self.encoder.requires_grad_(self.finetune)
+        self.train_declared()
         self.train()
+
+    def fine_tuned(self) -> list[nn.Module]:
+        return [self.encoder] if self.finetune else []
 
     def train(self, mode: bool = True) -> MCDropout:
         """Set the mode of every module, then switch all nn.Dropout modules back on."""
@@ -55,13 +68,19 @@ class MCDropout(EnsembleMethod):
                 m.train(True)
         return self
 
+    def passes(self) -> int:
+        """Stochastic passes per call: 1 in training, T in evaluation."""
+        return 1 if self.training else self.members
+
+    def features(self, inputs: Inputs) -> torch.Tensor:
+        """inputs (B, …) → pass-major features (P·B, D) after the head's dropout, P = passes()."""
+        return self.mc_dropout(self.encoder(repeat_members(inputs, self.passes())))
+
     def logits(self, inputs: Inputs) -> torch.Tensor:
         """inputs (B, …) → logits (1, B, C) in training, (T, B, C) in evaluation."""
-        T = 1 if self.training else self.samples
-        feats = self.mc_dropout(self.encoder(repeat_members(inputs, T)))        # (T·B, D)
-        return self.head(feats, groups=T)
+        return self.head(split_members(self.features(inputs), self.passes()))
 
     def settings(self) -> dict[str, Any]:
         return super().settings() | {
-            "members": self.samples, "samples": self.samples, "p": self.p,
+            "samples": self.members, "p": self.p,
             "finetune": self.finetune, "backbone_dropouts": self.backbone_dropouts}

@@ -1,4 +1,4 @@
-"""Sampling-free moment propagation through a mean-field Gaussian network (METHODS.md §2).
+"""Sampling-free moment propagation through a mean-field Gaussian network.
 
 Every module maps the elementwise mean and variance of its input, both of shape (B, …), to those
 of its output, assuming independent inputs. Weights are w ~ N(μ, σ²) with σ = softplus(ρ).

@@ -1,4 +1,4 @@
-"""SVE — Singular Value Ensemble (P1, METHODS.md §1), and SVF, its single-member ablation.
+"""SVE — Singular Value Ensemble (P1), and SVF, its single-member ablation.
 
 Each targeted pretrained linear layer W (out×in) with bias b is decomposed once,
 W = U diag(s) Vᵀ (float32 SVD, r = min(out, in)); U and V are frozen and shared by all members.
@@ -66,12 +66,15 @@ class SVELinear(MemberLinear):
     number of rows N per member: N·r·(in + out) against out·r·in + N·in·out.
 
     Buffers (frozen, not saved in state_dict): sve_U (out, r), sve_V (in, r), sve_s0 (r,).
-    Parameters (float32): sve_s (M, r), sve_bias (M, out) or None for bias-free layers.
+    Parameters (float32, the ``adapter_names``): sve_s (M, r), sve_bias (M, out) or None for
+    bias-free layers.
 
     ``release_pretrained``: drop the wrapped layer's W and b once decomposed (the forward never
     reads them): U and V replace W, so the layer costs (out + in)·r instead of out·in + (out + in)·r
     — for LLaMA-2-7B 20.5 GB instead of 33.7 GB in bf16. ``released`` counts the dropped entries.
     """
+
+    adapter_names = ("sve_s", "sve_bias")
 
     def __init__(self, base_layer: nn.Linear, members: int, sigma_init: float,
                  forward_mode: str = "auto", cache: Path | None = None, key: str = "",
@@ -136,9 +139,8 @@ class SVE(EnsembleMethod):
     svd_cache: folder for the SVD factors (worth it for LLaMA-2-7B's 224 matrices), null = off.
     release_pretrained: drop each wrapped layer's W and b after its SVD (default; they are never
     read again); false keeps them, e.g. to unwrap the model later.
+    Trains each wrapped layer's sve_s and sve_bias and the heads.
     """
-
-    prefix = "sve_"
 
     def __init__(self, backbone: Any, info: DataInfo, members: int = 4,
                  sigma_init: float = 0.01, forward_mode: str = "auto",
@@ -168,6 +170,7 @@ class SVE(EnsembleMethod):
         self.release_pretrained = bool(release_pretrained)
         self.released_params = sum(m.released for m in self.layers())
         log.info("%s: wrapped %d linear layers (%s)", name, len(self.replaced), suffixes)
+        self.train_declared()
 
     def layers(self) -> list[SVELinear]:
         return [m for m in self.encoder.modules() if isinstance(m, SVELinear)]

@@ -1,0 +1,69 @@
+"""Classification heads of the ensemble methods, and heads that start as a causal LM's scorer.
+
+Every member of an ensemble reads the features of its own rows through its own linear head;
+MC-Dropout's T stochastic passes all read ONE set of head parameters. :class:`EnsembleHead`
+serves both as one batched layer.
+
+A prompt answered by a next token (ARC-Easy with a causal LM) can start every head as the LM
+itself: the head's rows become the LM's output-embedding rows of the answer tokens and its bias
+zero, so that member logits equal the LM's next-token logits of those tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class EnsembleHead(nn.Module):
+    """``sets`` linear classification heads as one batched layer.
+
+    weight (S, C, D), bias (S, C) with S = ``sets``; each set initialised independently like
+    ``nn.Linear``. Input features (G, B, D), one group of rows per member → logits (G, B, C).
+    With S = G group g reads set g; with S = 1 the one set serves any number of groups.
+    """
+
+    def __init__(self, sets: int, in_features: int, outputs: int) -> None:
+        super().__init__()
+        self.sets = sets
+        self.weight = nn.Parameter(torch.empty(sets, outputs, in_features))
+        self.bias = nn.Parameter(torch.empty(sets, outputs))
+        bound = 1 / math.sqrt(in_features)  # nn.Linear's default init, per set
+        nn.init.uniform_(self.weight, -bound, bound)
+        nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """features (G, B, D) → logits (G, B, C)."""
+        f = features.to(self.weight.dtype)
+        if self.sets == 1:
+            return f @ self.weight[0].T + self.bias[0]                           # (G, B, C)
+        if f.shape[0] != self.sets:
+            raise RuntimeError(f"{self.sets} head parameter sets cannot serve {f.shape[0]} "
+                               f"groups of rows: expected 1 or {self.sets} groups")
+        return torch.einsum("gbd,gcd->gbc", f, self.weight) + self.bias[:, None, :]
+
+    def start_from_rows(self, rows: torch.Tensor) -> None:
+        """Every set's weight := ``rows`` (C, D), bias := 0: each set then computes rows · f."""
+        with torch.no_grad():
+            self.weight.copy_(rows.to(self.weight.dtype).expand_as(self.weight))
+            self.bias.zero_()
+
+    def extra_repr(self) -> str:
+        S, C, D = self.weight.shape
+        return f"sets={S}, in_features={D}, outputs={C}"
+
+
+def answer_rows(backbone: Any, token_ids: Sequence[int] | None) -> torch.Tensor | None:
+    """The causal LM's output-embedding rows (C, D) of the answer tokens, or None.
+
+    None when the data is not answered by next tokens (``token_ids`` None) or the backbone is
+    not a causal LM (it has no ``output_rows``, or that returns None). Call after
+    ``backbone.build()``: the rows are read from the built model.
+    """
+    if token_ids is None or not callable(getattr(backbone, "output_rows", None)):
+        return None
+    return backbone.output_rows(token_ids)
