@@ -33,7 +33,7 @@ def test_learned_variance_costs_exactly_the_extra_output(width, depth):
 
 
 def test_width_4_matches_the_reference_counts():
-    """METHODS.md's quick trial: 26 (embedded) vs 36 (learned) parameters at width 4."""
+    """By hand: 26 (embedded) vs 36 (learned) parameters at width 4."""
     assert BayesianMLP(MLP(width=4), INFO, variance="embedded").param_counts()["trainable"] == 26
     assert BayesianMLP(MLP(width=4), INFO, variance="learned").param_counts()["trainable"] == 36
 

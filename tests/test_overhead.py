@@ -67,7 +67,7 @@ def test_bert_base_reproduces_p1_within_rounding(job):
     assert round(sve["params"]["overhead_pct"], 1) == 1.0            # P1: ≈ 1.0 %
     assert de["params"]["overhead_pct"] == pytest.approx(700.0)      # P1: ≈ 700 %
     assert de["params"]["added"] == 7 * BERT_BASE
-    # METHODS.md: LoRA rank 8 on q, k, v, o ≈ 4.3 %, on all six linears ≈ 9.7 % (P1: 10.3 %).
+    # by hand: LoRA rank 8 on q, k, v, o ≈ 4.3 %, on all six linears ≈ 9.7 % (P1: 10.3 %).
     assert round(job("bert_base", "lora_ensemble")["params"]["overhead_pct"], 1) == 4.3
     assert round(job("bert_base", "lora_ensemble_all")["params"]["overhead_pct"], 1) == 9.7
     # The 5(M−1)/(4d) form: M − 1 extra member sets over the 12d² weights of each block.

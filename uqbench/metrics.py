@@ -58,7 +58,7 @@ def _check_member_probs(member_probs: torch.Tensor) -> None:
 def aggregate(member_probs: torch.Tensor, aggregation: str = "mean_probs") -> torch.Tensor:
     """Predictive distribution (N, C) from member probabilities (M, N, C).
 
-    mean_probs: (1/M) Σ_m p_m, the mixture (default, METHODS.md §1).
+    mean_probs: (1/M) Σ_m p_m, the mixture (default).
     mean_logits: softmax of the mean member logits (LoRA-Ensemble's ECE). Computed from the
     member log-probabilities: log p_m = z_m − logsumexp(z_m) differs from the logits z_m by a
     per-member constant, which the softmax of the mean cancels.

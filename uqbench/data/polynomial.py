@@ -1,4 +1,4 @@
-"""The heteroscedastic polynomial (METHODS.md §2): uqbench's own default setup.
+"""The heteroscedastic polynomial: uqbench's own default setup for the P2 benchmark.
 
 P2 does not publish its polynomial, noise model or ranges; these defaults are ours:
     y = Σ_k c_k x^k + ε,   ε ~ N(0, σ(x)²),   σ(x) = noise_base + noise_scale · |x|^noise_power
