@@ -133,3 +133,20 @@ def test_paper_table_shows_ours_beside_the_papers(tmp_path):
                      .read_text())
     ours = rows["sve"][cols.index("ACC")]
     assert float(ours) == pytest.approx(100 * res["metrics"]["test/acc"], abs=0.051)
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["backbone=tiny_vit", "dataset.image_size=20"],
+     ["dataset.image_size=20", "16×16", "backbone.model_kwargs.img_size=20"]),
+    (["backbone=tiny_bert"], ["modalities do not match", "image", "tiny_vit"]),
+    (["backbone=tiny_vit", "dataset=fake_text"], ["modalities do not match", "text", "bert_base"]),
+])
+def test_data_the_backbone_cannot_take_is_refused_before_training(tmp_path, overrides,
+                                                                  expected):
+    proc = run_cli("dataset=fake_images", "method=single", *overrides,
+                   f"paths.runs_dir={tmp_path}", *FAST, check=False)
+    assert proc.returncode == 1
+    for word in expected:
+        assert word in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert not list(tmp_path.rglob("results.json"))

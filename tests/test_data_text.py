@@ -72,7 +72,9 @@ def test_sst2_reads_parquet_too(tmp_path, tokenizer):
 
 def test_sst2_needs_a_tokenizer(root):
     data = SST2Data(root[0])
-    with pytest.raises(ValueError, match="needs a tokenizer.*FakeImageBackbone"):
+    with pytest.raises(ValueError, match="modalities do not match: dataset 'sst2' holds text "
+                                         "inputs but backbone 'fake_image_backbone' takes image "
+                                         "inputs; pick a text backbone, one of: bert_base"):
         data.setup(FakeImageBackbone())
     with pytest.raises(ValueError, match="no backbone"):
         data.setup(None)

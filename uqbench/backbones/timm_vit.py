@@ -82,6 +82,11 @@ class TimmViT(Backbone):
         return self._shape_model
 
     @property
+    def dynamic_image_size(self) -> bool:
+        """Whether the model takes any image size (timm's ``dynamic_img_size``)."""
+        return bool(self.model_kwargs.get("dynamic_img_size", False))
+
+    @property
     def feature_dim(self) -> int:
         return int(self._shapes().num_features)
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from uqbench.configs import options_where
 from uqbench.contracts import DataInfo
 
 
@@ -109,3 +110,27 @@ class TensorBatches:
             else:
                 idx = order[start:start + self.batch_size]
                 yield tuple(t[idx] for t in self.tensors)
+
+
+def check_modality(dataset: str, backbone: Any, modality: str) -> None:
+    """The backbone must take the data's kind of input (image, text, tabular)."""
+    got = getattr(backbone, "modality", None)
+    if got != modality:
+        name = (f"backbone '{getattr(backbone, 'name', backbone)}'" if backbone is not None
+                else "no backbone")
+        raise ValueError(
+            f"the modalities do not match: dataset '{dataset}' holds {modality} inputs but "
+            f"{name} takes {got or 'no'} inputs; pick a {modality} backbone, one of: "
+            f"{', '.join(options_where('backbone', 'modality', modality))}")
+
+
+def check_image_size(dataset: str, size: int, backbone: Any) -> None:
+    """Images of ``size`` px must be what the backbone takes, unless it takes any size."""
+    if getattr(backbone, "dynamic_image_size", False):
+        return
+    expected = tuple(int(v) for v in backbone.data_config()["input_size"][1:])
+    if (size, size) != expected:
+        raise ValueError(
+            f"dataset.image_size={size} but backbone '{backbone.name}' takes "
+            f"{expected[0]}×{expected[1]} px images; set dataset.image_size=null (the backbone's "
+            f"size) or build the backbone at {size} px (backbone.model_kwargs.img_size={size})")

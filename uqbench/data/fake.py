@@ -17,9 +17,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from uqbench.configs import options_where
 from uqbench.contracts import DataInfo
-from uqbench.data.base import DataModule
+from uqbench.data.base import DataModule, check_image_size, check_modality
 
 SPLITS = ("train", "val", "test", "ood")
 
@@ -78,13 +77,13 @@ class FakeImages(_FakeData):
         self.shape: tuple[int, int, int] | None = None
 
     def setup(self, backbone: Any = None) -> None:
-        if self.image_size is not None:
+        if backbone is None and self.image_size is not None:  # the data alone (tests, figures)
             self.shape = (3, self.image_size, self.image_size)
-        elif backbone is not None and hasattr(backbone, "data_config"):
-            self.shape = tuple(int(v) for v in backbone.data_config()["input_size"])
         else:
-            raise ValueError(f"dataset '{self.name}' needs an image backbone (with data_config) "
-                             f"or dataset.image_size=<pixels>")
+            check_modality(self.name, backbone, "image")
+            if self.image_size is not None:
+                check_image_size(self.name, self.image_size, backbone)
+            self.shape = tuple(int(v) for v in backbone.data_config()["input_size"])
         g = torch.Generator().manual_seed(self.seed)
         prototypes = torch.randn(2 * self.num_classes, *self.shape, generator=g)
         self._datasets = {}
@@ -147,9 +146,7 @@ class FakeText(_FakeData):
         return texts, labels
 
     def setup(self, backbone: Any = None) -> None:
-        if backbone is None or not hasattr(backbone, "tokenizer"):
-            raise ValueError(f"dataset '{self.name}' needs a text backbone, one of: "
-                             f"{', '.join(options_where('backbone', 'modality', 'text'))}")
+        check_modality(self.name, backbone, "text")
         tok = backbone.tokenizer()
         self._datasets = {}
         for split in self.sizes:

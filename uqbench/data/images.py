@@ -16,6 +16,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.datasets.folder import default_loader
 
+from uqbench.data.base import check_modality
 from uqbench.data.splits import SplitDataModule
 from uqbench.data.transforms import ImagePreprocessing
 
@@ -79,6 +80,8 @@ class ImageDataModule(SplitDataModule):
 
     def setup(self, backbone: Any = None) -> None:
         self.check()
+        if backbone is not None:  # None: timm's default preprocessing (the data alone)
+            check_modality(self.name, backbone, "image")
         self.preprocessing = ImagePreprocessing.from_backbone(backbone, self.crop_pct)
         eval_tf = self.preprocessing.eval_transform()
         train_tf = self.preprocessing.train_transform(self.augment, self.scale, self.ratio,

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from uqbench.configs import options_where
+from uqbench.data.base import check_modality
 from uqbench.data.layout import LAYOUTS, DatasetCorruptError, hf_split_files
 from uqbench.data.splits import ListDataset, SplitDataModule, holdout_split
 
@@ -72,14 +72,9 @@ class SentenceCollator:
 # --- the datasets -------------------------------------------------------------------------------
 
 def backbone_tokenizer(backbone: Any, dataset: str) -> Any:
-    """The backbone's Hugging Face tokenizer, or a clear error for non-text backbones."""
-    get = getattr(backbone, "tokenizer", None)
-    if get is None:
-        kind = "no backbone" if backbone is None else f"backbone {type(backbone).__name__}"
-        raise ValueError(
-            f"dataset '{dataset}' is text and needs a tokenizer, but {kind} provides none "
-            f"(no `tokenizer()` method); pick a text backbone, one of: "
-            f"{', '.join(options_where('backbone', 'modality', 'text'))}")
+    """The text backbone's Hugging Face tokenizer; any other backbone is refused by name."""
+    check_modality(dataset, backbone, "text")
+    get = backbone.tokenizer
     return get if hasattr(get, "pad_token_id") else get()  # a tokenizer attribute or a method
 
 
