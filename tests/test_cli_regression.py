@@ -82,13 +82,35 @@ def test_existing_results_are_kept_unless_asked(tmp_path):
     ("method=sve", ["solves classification", "one of: bnn"]),  # methods of the data's task
     ("task=classification", ["regression dataset", "task=classification"]),
     ("trainer.schedule=linear", ["trainer.schedule", "linear"]),  # the trainer checks itself
+    # types, checked against the constructors' annotations before anything is built
+    ("backbone.width=2.5", ["backbone.width must be an integer", "2.5"]),
+    ("trainer.epochs=2.5", ["trainer.epochs must be an integer", "2.5"]),
+    ("trainer.epochs=abc", ["trainer.epochs must be an integer", "'abc'"]),
+    ("trainer.optimizer.lr=fast", ["trainer.optimizer.lr must be a number", "'fast'"]),
+    ("dataset.batch_size=nan", ["dataset.batch_size must be a finite number", "nan"]),
+    ("seed=abc", ["seed must be an integer", "'abc'"]),
+    ("method.rho_init=inf", ["method.rho_init must be a finite number", "inf"]),
+    ("method.prior_std=nan", ["method.prior_std must be a finite number", "nan"]),
+    ("device=tpu", ["device 'tpu'", "auto, cpu, cuda, cuda:<index>, mps"]),
+    ("torch_threads=0", ["torch_threads must be >= 1"]),
 ])
 def test_bad_input_fails_clearly_and_writes_nothing(tmp_path, override, expected):
     proc = run_cli(*TINY, f"paths.runs_dir={tmp_path}", override, check=False)
     assert proc.returncode != 0
     for word in expected:
         assert word in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
     assert not list(tmp_path.rglob("results.json"))
+
+
+def test_an_untrained_model_is_evaluated_but_marked(tmp_path):
+    run_cli(*TINY, f"paths.runs_dir={tmp_path}", "trainer.epochs=0", "run_name=untrained")
+    res = _results(tmp_path / "untrained")
+    assert res["train"]["updated_weights"] is False and res["train"]["epochs"] == 0
+    run_cli(*TINY, f"paths.runs_dir={tmp_path}", "trainer.optimizer.lr=0", "run_name=lr0")
+    assert _results(tmp_path / "lr0")["train"]["updated_weights"] is False
+    env = _results(tmp_path / "lr0")["environment"]
+    assert env["torch_threads"] >= 1 and env["torch"] and env["numpy"]
 
 
 def test_nan_loss_leaves_no_results(tmp_path):

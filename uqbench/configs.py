@@ -102,3 +102,79 @@ def options_where(group: str, attribute: str, value: Any) -> list[str]:
 def choices_text(group: str) -> str:
     """``"a, b, c"``: the options of a group, for a message."""
     return ", ".join(group_options(group)) or f"<no {group} configs found>"
+
+
+# --- types: a config node must fit the constructor it builds ----------------------------------
+
+def _hints(target: Any) -> dict[str, Any]:
+    """Parameter annotations of a class's constructors (whole MRO: subclasses often pass
+    ``**kwargs`` on) or of a function; {} when they cannot be read."""
+    import inspect
+    import typing
+
+    owners = ([c.__init__ for c in reversed(target.__mro__) if "__init__" in vars(c)]
+              if inspect.isclass(target) else [target])
+    hints: dict[str, Any] = {}
+    for fn in owners:
+        try:
+            hints |= {k: v for k, v in typing.get_type_hints(fn).items() if k != "return"}
+        except Exception:  # unresolvable annotations (a library's private types): no checks
+            continue
+    return hints
+
+
+def _kinds(annotation: Any) -> set[str]:
+    """The scalar kinds an annotation allows: int, float, bool, none, other (not checked)."""
+    import types
+    import typing
+
+    if annotation is type(None) or annotation is None:
+        return {"none"}
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return set().union(*(_kinds(a) for a in typing.get_args(annotation)))
+    import torch
+
+    # a tensor-valued option (torch.optim's lr) takes a number from a config
+    return {{bool: "bool", int: "int", float: "float", torch.Tensor: "float"}.get(annotation,
+                                                                                 "other")}
+
+
+def check_value(key: str, value: Any, annotation: Any) -> None:
+    """Refuse a value the annotation does not allow: a non-integer or a string where an int is
+    meant, a string or a non-finite number where a number is meant."""
+    import math
+
+    kinds = _kinds(annotation)
+    if "other" in kinds or (value is None and "none" in kinds):
+        return
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if kinds & {"int", "float"} and number and not math.isfinite(value):
+        raise ValueError(f"{key} must be a finite number, got {value}")
+    if kinds == {"bool"} or kinds == {"bool", "none"}:
+        if not isinstance(value, bool):
+            raise ValueError(f"{key} must be true or false, got {value!r}")
+    elif "float" in kinds:
+        if not number:
+            raise ValueError(f"{key} must be a number, got {value!r}")
+    elif "int" in kinds and not (number and isinstance(value, int)):
+        hint = f" (e.g. {int(value)})" if number and float(value).is_integer() else ""
+        raise ValueError(f"{key} must be an integer{hint}, got {value!r}")
+
+
+def check_types(node: DictConfig, key: str) -> None:
+    """Check every field of a buildable node (and of nested buildable nodes, e.g. the
+    optimiser) against the annotations of the constructor it names, before anything is built."""
+    from hydra.utils import get_object
+
+    target = node.get("_target_")
+    if target is None:
+        return
+    hints = _hints(get_object(target))
+    for field in node:
+        if str(field).startswith("_"):
+            continue
+        value = node[field]
+        if isinstance(value, DictConfig):
+            check_types(value, f"{key}.{field}")
+        elif field in hints:
+            check_value(f"{key}.{field}", value, hints[field])

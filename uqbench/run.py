@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from uqbench.configs import USER_ERRORS, build, options_where
+from uqbench.configs import USER_ERRORS, build, check_types, check_value, options_where
 from uqbench.contracts import to_device
 from uqbench.results import group_settings, run_header, write_run
 
@@ -40,7 +41,13 @@ class RunExistsError(FileExistsError):
 
 # --- helpers ----------------------------------------------------------------------------------
 
+DEVICES = "auto, cpu, cuda, cuda:<index>, mps"
+
+
 def resolve_device(name: str) -> torch.device:
+    """The torch device for ``device=``; auto picks CUDA, then MPS, then the CPU."""
+    if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", name):
+        raise ValueError(f"device '{name}' is not one of uqbench's devices: {DEVICES}")
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -51,6 +58,35 @@ def resolve_device(name: str) -> torch.device:
         raise ValueError(f"device '{name}' was asked for but CUDA is not available; "
                          f"use device=cpu or device=auto")
     return torch.device(name)
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Types and choices of the whole config, before anything is read, built or written: every
+    buildable group against its constructor's annotations, and the top-level keys."""
+    for group in ("backbone", "method", "dataset", "task", "trainer", "logger"):
+        if isinstance(cfg.get(group), DictConfig):
+            check_types(cfg[group], group)
+    check_value("seed", cfg.seed, int)
+    check_value("torch_threads", cfg.get("torch_threads"), int | None)
+    if cfg.get("torch_threads") is not None and cfg.torch_threads < 1:
+        raise ValueError(f"torch_threads must be >= 1 or null, got {cfg.torch_threads}")
+    resolve_device(str(cfg.device))
+
+
+def environment() -> dict[str, Any]:
+    """What decides whether a run is bit-reproducible: thread count and library versions."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    env: dict[str, Any] = {"torch_threads": torch.get_num_threads(),
+                           "python": platform.python_version(), "machine": platform.machine()}
+    for package in ("uqbench", "torch", "numpy", "timm", "transformers", "scikit-learn"):
+        try:
+            env[package] = version(package)
+        except PackageNotFoundError:
+            env[package] = None
+    env["cuda"] = torch.version.cuda if torch.cuda.is_available() else None
+    return env
 
 
 def seed_everything(seed: int) -> None:
@@ -147,6 +183,7 @@ def forward_cost(method: torch.nn.Module, data: Any, device: torch.device) -> di
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train and evaluate one configuration; return the results dict (also written to disk)."""
+    check_config(cfg)
     run_dir = Path(cfg.run_dir)
     results_path = run_dir / "results.json"
     if results_path.exists():
@@ -164,6 +201,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         trainer = build(cfg.trainer)  # checks its own settings (uqbench.training.Trainer)
         if trainer.batch_size is not None:  # the recipe's batch, recorded where it acts
             cfg.dataset.batch_size = trainer.batch_size
+        if not trainer.updates_weights:
+            log.warning("trainer.epochs=%s, lr=%s: the untrained model is evaluated "
+                        "(results.json: train.updated_weights=false)", trainer.epochs,
+                        cfg.trainer.optimizer.get("lr"))
     seed_everything(int(cfg.seed))
     if cfg.get("torch_threads"):
         torch.set_num_threads(int(cfg.torch_threads))
@@ -214,7 +255,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             "calibration": calibration,
             "time": {"train_s": train["train_s"], "eval_s": eval_s},
             "cost": cost,
+            "environment": environment(),
             "train": {"epochs": train["epochs"], "selected_epoch": train["selected_epoch"],
+                      "updated_weights": trainer.updates_weights,
                       "device": str(device)},
             "table": config.get("table"),
         }
@@ -244,6 +287,12 @@ def _hydra_main(cfg: DictConfig) -> None:
         print(f"error: {err}\n(set UQBENCH_TRACEBACK=1 for the full traceback)",
               file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C: one line; the folder is left as a kill leaves it
+        if os.environ.get("UQBENCH_TRACEBACK"):
+            raise
+        log.error("interrupted: no results were written for %s", cfg.run_dir)
+        print(f"interrupted: no results were written for {cfg.run_dir}", file=sys.stderr)
+        sys.exit(130)
     summary = {k: round(v, 4) for k, v in results["metrics"].items()
                if k.split("/")[0] in ("test", "ood") and k.count("/") == 1}
     print(f"{results['run']}: " + ", ".join(f"{k}={v}" for k, v in summary.items()))

@@ -81,6 +81,12 @@ class Trainer:
         self.schedule, self.select = schedule, select
         self.val_every, self.progress = int(val_every), bool(progress)
 
+    @property
+    def updates_weights(self) -> bool:
+        """False when the run evaluates the untrained model (epochs 0 or a learning rate 0)."""
+        lr = getattr(self.optimizer, "keywords", {}).get("lr")
+        return self.epochs > 0 and lr != 0
+
     def fit(self, method: Method, data: DataModule, task: Task, device: torch.device,
             logger: Logger) -> dict[str, Any]:
         """Train ``method`` for ``epochs``; return timing and model-selection facts."""
