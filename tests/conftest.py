@@ -12,6 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 from hydra import compose, initialize_config_module  # noqa: E402
 from hydra.core.global_hydra import GlobalHydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
 
 import uqbench.run  # noqa: E402,F401  (registers the config resolvers)
 
@@ -22,6 +23,7 @@ def compose_cfg():
 
     def _compose(overrides: list[str] | None = None, return_hydra_config: bool = False):
         GlobalHydra.instance().clear()
+        HydraConfig.instance().cfg = None  # no job: run folders get no override level
         with initialize_config_module("uqbench.conf", version_base="1.3"):
             return compose("config", overrides=overrides or [],
                            return_hydra_config=return_hydra_config)

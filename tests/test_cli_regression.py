@@ -14,6 +14,9 @@ from uqbench.tables import main as tables_main
 
 TINY = ["trainer.epochs=3", "trainer.progress=false", "dataset.n_train=200",
         "dataset.n_val=50", "dataset.n_test=100", "dataset.n_ood=100", "logger=none"]
+# TINY's overrides that change a result (logger and progress do not), sorted: one more level
+TINY_DIR = ("dataset.n_ood=100,dataset.n_test=100,dataset.n_train=200,dataset.n_val=50,"
+            "trainer.epochs=3")
 
 
 def _results(run_dir):
@@ -23,7 +26,7 @@ def _results(run_dir):
 def test_run_writes_results_and_predictions_that_recompute(tmp_path):
     run_cli(*TINY, f"paths.runs_dir={tmp_path}", "backbone.width=4", "method.variance=learned",
             "seed=3")
-    run_dir = tmp_path / "default/polynomial/bnn_learned/mlp_w4/seed3"
+    run_dir = (tmp_path / "default/polynomial/bnn_learned/mlp_w4" / TINY_DIR / "seed3")
     res = _results(run_dir)
     assert (res["dataset"], res["method"], res["backbone"], res["seed"]) == (
         "polynomial", "bnn", "mlp", 3)
@@ -133,7 +136,7 @@ def test_multirun_then_tables(tmp_path, capsys):
     assert " width " in rows[0] and "test NLL" in rows[0]
     # the table's cell is the mean over seeds of the runs' values
     nll = [_results(p.parent)["metrics"]["test/nll"] for p in
-           tmp_path.rglob("bnn_embedded/mlp_w4/*/results.json")]
+           tmp_path.rglob("bnn_embedded/mlp_w4/**/results.json")]
     emb4 = next(r for r in rows if r.split("|")[1].strip() == "4" and "embedded" in r)
     assert emb4.split("|")[4].strip().startswith(f"{np.mean(nll):.3f}")
     assert (out / "p2_width_sweep.tex").exists() and (out / "p2_width_sweep.csv").exists()

@@ -18,17 +18,83 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+# --- run identity: the run folder ------------------------------------------------------------
+# Overrides that cannot change a run's result, or that its path already shows.
+BOOKKEEPING = {"seed", "run_name", "experiment", "experiment_name", "skip_existing",
+               "overwrite", "save_predictions", "plot", "device", "torch_threads", "method",
+               "backbone", "dataset"}
+BOOKKEEPING_PREFIXES = ("paths", "logger", "hydra", "trainer.progress")
 
-def _run_subdir(run_name, experiment, dataset, method, backbone, seed) -> str:
-    """The run folder below paths.runs_dir: <run_name>, or <experiment>/<dataset>/<method>/
-    <backbone>/seed<seed> (conf/config.yaml's run_subdir)."""
+
+def _name_fields(root: DictConfig) -> set[str]:
+    """Keys the method, backbone and dataset names interpolate (``bnn_${method.variance}``):
+    their values are already in the run folder's path."""
+    import re
+
+    fields = set()
+    for group in ("method", "backbone", "dataset"):
+        node = root.get(group)
+        if isinstance(node, DictConfig) and "name" in node:
+            raw = str(node._get_node("name")._value())
+            fields |= set(re.findall(r"\$\{([\w.]+)\}", raw))
+    return fields
+
+
+def identity_overrides(overrides: list[str], root: DictConfig) -> list[str]:
+    """The command-line (or sweep) overrides that change a run's result and that its path does
+    not already show, sorted: each makes the run a different one."""
+    shown = _name_fields(root)
+    keep = []
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        head = key.replace("/", ".").split(".")[0]  # hydra/launcher=joblib → hydra
+        if (key in BOOKKEEPING or key in shown or key.endswith(".name") or head == "hydra"
+                or any(key == p or key.startswith(p + ".") for p in BOOKKEEPING_PREFIXES)):
+            continue
+        keep.append(override.lstrip("+"))
+    return sorted(keep)
+
+
+def _run_subdir(run_name, experiment, dataset, method, backbone, seed, *, _root_) -> str:
+    """The run folder below paths.runs_dir: <run_name>, or
+    <experiment>/<dataset>/<method>/<backbone>[/<overrides>]/seed<seed>, where <overrides> are
+    the job's identity overrides (e.g. ``trainer.optimizer.lr=0.01``) joined by commas."""
+    from hydra.core.hydra_config import HydraConfig
+
     if run_name not in (None, "", "None", "null"):
         return str(run_name)
-    return f"{experiment}/{dataset}/{method}/{backbone}/seed{seed}"
+    path = f"{experiment}/{dataset}/{method}/{backbone}"
+    if HydraConfig.initialized():  # a job of the CLI, or a composed config given its Hydra node
+        extra = identity_overrides(list(HydraConfig.get().overrides.task), _root_)
+        if extra:
+            path += "/" + ",".join(extra).replace("/", "_")
+    return f"{path}/seed{seed}"
+
+
+def _run_dir(runs_dir: Any, subdir: str) -> str:
+    """<runs_dir>/<subdir>, refusing a runs folder that would put runs somewhere unintended."""
+    import os
+    from pathlib import Path
+
+    text = "" if runs_dir is None else str(runs_dir).strip()
+    if not text:
+        raise ValueError("paths.runs_dir is empty (is UQBENCH_RUNS set to an empty string?); "
+                         "runs would land at the filesystem root. Set UQBENCH_RUNS=<folder> or "
+                         "paths.runs_dir=<folder>")
+    root = Path(text).expanduser()
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"paths.runs_dir {root} is a file, not a folder; set UQBENCH_RUNS or "
+                         f"paths.runs_dir to a folder")
+    existing = next((p for p in [root, *root.absolute().parents] if p.exists()), None)
+    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"paths.runs_dir {root}: {existing} is not writable; set "
+                         f"UQBENCH_RUNS or paths.runs_dir to a folder you can write")
+    return f"{text}/{subdir}"
 
 
 # Registered on import: anything that composes uqbench's configs imports this module.
 OmegaConf.register_new_resolver("uq.run_subdir", _run_subdir, replace=True)
+OmegaConf.register_new_resolver("uq.run_dir", _run_dir, replace=True)
 
 # Errors that mean "the user's input is wrong": one line on stderr, no traceback.
 USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, RuntimeError)

@@ -16,7 +16,9 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
 
 from uqbench.configs import group_options
 
@@ -25,16 +27,22 @@ P1_EXPERIMENTS = ("p1_overhead", "p1_flowers102", "p1_oxford_pets", "p1_dtd", "p
                   "p1_ensemble_size")
 
 
-def _compose(overrides: list[str], hydra_config: bool = False):
+def _compose(overrides: list[str], *keys: str) -> list:
+    """The values of ``keys`` in the job config as the CLI would resolve them: with Hydra's
+    node set, since the run folder's name depends on the job's overrides."""
     GlobalHydra.instance().clear()
     with initialize_config_module("uqbench.conf", version_base="1.3"):
-        return compose("config", overrides=overrides, return_hydra_config=hydra_config)
+        cfg = compose("config", overrides=overrides, return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    try:
+        return [OmegaConf.select(cfg, key) for key in keys]
+    finally:
+        HydraConfig.instance().cfg = None  # leave no job behind for later composes
 
 
 def sweep_jobs(experiment: str) -> list[list[str]]:
     """The override list of every job of the experiment's sweep (one [] when it sweeps none)."""
-    cfg = _compose([f"experiment={experiment}"], hydra_config=True)
-    params = cfg.hydra.sweeper.get("params") or {}
+    params = _compose([f"experiment={experiment}"], "hydra.sweeper.params")[0] or {}
     parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
     axes = [[f"{o.key_or_group}={v}" for v in (o.sweep_string_iterator()
                                                if o.is_sweep_override() else [o.value()])]
@@ -46,8 +54,9 @@ def expected_runs(experiment: str, runs_dir: Path) -> list[tuple[list[str], Path
     """(overrides, run folder) of every job the experiment's sweep would run."""
     jobs = []
     for job in sweep_jobs(experiment):
-        cfg = _compose([f"experiment={experiment}", *job, f"paths.runs_dir={runs_dir}"])
-        jobs.append((job, Path(cfg.run_dir)))
+        run_dir = _compose([f"experiment={experiment}", *job, f"paths.runs_dir={runs_dir}"],
+                           "run_dir")[0]
+        jobs.append((job, Path(run_dir)))
     return jobs
 
 

@@ -1,0 +1,28 @@
+"""Run identity: every override that changes a result changes the run folder."""
+
+from __future__ import annotations
+
+from tests.helpers import run_cli
+from uqbench.configs import identity_overrides
+
+
+def test_identity_keeps_result_changing_overrides_only(compose_cfg):
+    root = compose_cfg(["method.variance=learned"])  # name: bnn_${method.variance}
+    overrides = ["trainer.optimizer.lr=0.01", "seed=3", "skip_existing=true", "device=cpu",
+                 "paths.runs_dir=/tmp/x", "logger=wandb", "logger.mode=offline",
+                 "trainer.progress=false", "hydra/launcher=joblib", "method.variance=learned",
+                 "backbone.width=8", "dataset.n_train=100", "torch_threads=1", "run_name=x"]
+    # backbone.width and method.variance are shown by the names mlp_w8 and bnn_learned
+    assert identity_overrides(overrides, root) == ["dataset.n_train=100",
+                                                   "trainer.optimizer.lr=0.01"]
+
+
+def test_a_learning_rate_sweep_gives_one_folder_per_value(tmp_path):
+    run_cli("-m", "trainer.optimizer.lr=0.01,0.001", "trainer.epochs=1", "trainer.progress=false",
+            "dataset.n_train=100", "dataset.n_val=20", "dataset.n_test=20", "dataset.n_ood=20",
+            f"paths.runs_dir={tmp_path}")
+    base = tmp_path / "default/polynomial/bnn_embedded/mlp_w16"
+    sizes = "dataset.n_ood=20,dataset.n_test=20,dataset.n_train=100,dataset.n_val=20"
+    found = sorted(p.parent.parent.name for p in base.rglob("results.json"))
+    assert found == [f"{sizes},trainer.epochs=1,trainer.optimizer.lr=0.001",
+                     f"{sizes},trainer.epochs=1,trainer.optimizer.lr=0.01"]
