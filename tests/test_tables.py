@@ -1,10 +1,11 @@
-"""`uqbench-tables` on a runs folder with bad files: each is skipped with one warning, and
-every table is still written from the valid ones."""
+"""`uqbench-tables` on a runs folder with bad files: each is skipped with one warning, every
+table is still written, and ``seeds`` counts distinct seeds."""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -137,6 +138,31 @@ def test_every_bad_file_at_once_each_named_once(runs, capsys):
     assert len(err) == len(BAD)
     for path in bad:
         assert sum(f"skipping {path}:" in line for line in err) == 1
+
+
+def test_a_copied_run_counts_once_and_the_warning_names_both(runs, capsys):
+    original = runs / "toy" / "embedded" / "seed1" / "results.json"
+    copy = runs / "toy" / "embedded" / "seed1_copy" / "results.json"  # after it in path order
+    copy.parent.mkdir()
+    shutil.copy(original, copy)
+    csv, _, err = build(runs, capsys)
+    assert_expected_table(csv)
+    assert len(err) == 1
+    assert f"skipping {copy}:" in err[0] and str(original) in err[0] and "seed 1" in err[0]
+
+
+def test_of_two_results_for_one_seed_the_first_in_path_order_is_kept(runs, capsys):
+    """A differing result for embedded seed 0 in a folder that sorts first ("0_backup" <
+    "toy") replaces the one under toy/: embedded NLL becomes 10, 2, 4."""
+    first = write(runs / "0_backup" / "results.json", result("embedded", 0, 10.0))
+    later = runs / "toy" / "embedded" / "seed0" / "results.json"
+    csv, _, err = build(runs, capsys)
+    # mean 16/3; deviations 14/3, -10/3, -4/3 → variance (312/9) / 2 = 52/3
+    assert csv.loc["embedded", "NLL mean"] == pytest.approx(16 / 3)
+    assert csv.loc["embedded", "NLL std"] == pytest.approx(math.sqrt(52 / 3))
+    assert csv.loc["embedded", "seeds"] == 3 and csv.loc["learned", "seeds"] == 3
+    assert len(err) == 1
+    assert f"skipping {later}:" in err[0] and f"already in {first}" in err[0]
 
 
 def test_a_run_without_the_figure_x_still_counts(runs, capsys):

@@ -22,6 +22,11 @@ experiment, every value its table reads must be a number or absent (columns, fig
 or a single value (rows, figure hue). Any other file is skipped with one warning line on stderr
 naming it and the problem, and every table is still written from the valid files.
 
+Seeds. A cell aggregates one result per distinct seed, and ``seeds`` counts distinct seeds.
+When two files hold the same seed of the same setting (a copied run folder, a backup), the one
+first in sorted path order is kept, so the choice does not depend on file times, and a warning
+names both files.
+
 Std. A table cell is mean ± the sample standard deviation over seeds (``ddof=1``), the mean
 alone when there is one seed or no spread. The figure's error bars are ``np.std`` over seeds
 (population std, ``ddof=0``).
@@ -192,17 +197,30 @@ def load_results(runs_dir: Path) -> list[Run]:
     return runs
 
 
+def _setting(run: Run, spec: dict[str, Any]) -> tuple:
+    return tuple(get_path(run, r["key"]) for r in spec["rows"])
+
+
 def table_runs(runs: list[Run], spec: dict[str, Any]) -> list[Run]:
-    """The runs of one experiment whose values ``spec`` can read."""
-    kept = []
+    """The runs of one experiment that enter its table: values ``spec`` can read, and one run
+    per (setting, seed), the first in path order (``runs`` come sorted), so a copied run
+    folder or a backup never counts as another seed."""
+    kept: dict[tuple, Run] = {}
     for run in runs:
         try:
             check_values(run, spec)
         except InvalidResults as err:
             _warn(run["_path"], str(err))
             continue
-        kept.append(run)
-    return kept
+        key = (_setting(run, spec), run["seed"])
+        if key in kept:
+            setting = ", ".join(f"{r['title']}={v}" for r, v in zip(spec["rows"], key[0],
+                                                                     strict=True))
+            _warn(run["_path"], f"seed {run['seed']} of ({setting}) is already in "
+                                f"{kept[key]['_path']}, which is kept")
+            continue
+        kept[key] = run
+    return list(kept.values())
 
 
 def _cell(values: list[float], fmt: str, scale: float) -> tuple[str, float, float]:
