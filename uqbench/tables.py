@@ -14,6 +14,22 @@ cell the mean ± std over seeds. The spec::
 
 Paper values are matched on row titles and shown in a "<column> (paper)" column beside ours.
 Tables read only results.json files, never a logger.
+
+Which files count. A results.json is used when it is UTF-8 JSON holding an object with
+``experiment`` (a non-empty string), ``seed`` (an integer) and ``metrics`` (an object, empty for
+the parameter job), and, when it has a ``table``, a spec of the shape above. Within an
+experiment, every value its table reads must be a number or absent (columns, figure x and y)
+or a single value (rows, figure hue). Any other file is skipped with one warning line on stderr
+naming it and the problem, and every table is still written from the valid files.
+
+Seeds. A cell aggregates one result per distinct seed, and ``seeds`` counts distinct seeds.
+When two files hold the same seed of the same setting (a copied run folder, a backup), the one
+first in sorted path order is kept, so the choice does not depend on file times, and a warning
+names both files.
+
+Std. A table cell is mean ± the sample standard deviation over seeds (``ddof=1``), the mean
+alone when there is one seed or no spread. The figure's error bars are ``np.std`` over seeds
+(population std, ``ddof=0``).
 """
 
 from __future__ import annotations
@@ -41,17 +57,170 @@ def get_path(obj: dict[str, Any], dotted: str) -> Any:
     return cur
 
 
-def load_results(runs_dir: Path) -> list[dict[str, Any]]:
+Run = dict[str, Any]
+
+
+class InvalidResults(ValueError):
+    """A results.json the tables cannot use; the message says why, in a few words."""
+
+
+def _json_type(value: Any) -> str:
+    """How JSON names a value's type, for warnings (never the value: it may be huge)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _read_json(path: Path) -> Any:
+    """The parsed file, or InvalidResults saying why it cannot be parsed."""
+    if path.is_dir():
+        raise InvalidResults("is a directory, not a file")
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise InvalidResults(f"cannot be read ({err.strerror or err})") from err
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise InvalidResults(f"is not UTF-8 text (bad byte at offset {err.start})") from err
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise InvalidResults(f"is not valid JSON ({err.msg} at line {err.lineno} "
+                             f"column {err.colno})") from err
+    except RecursionError as err:
+        raise InvalidResults("is not valid JSON (nested too deeply)") from err
+
+
+def _check_entries(entries: Any, where: str) -> None:
+    def named(entry: Any) -> bool:
+        return (isinstance(entry, dict) and isinstance(entry.get("key"), str)
+                and isinstance(entry.get("title"), str))
+
+    if not isinstance(entries, list) or not all(named(e) for e in entries):
+        raise InvalidResults(f"{where} is not a list of {{key, title}} objects")
+
+
+def _check_spec(spec: Any) -> None:
+    """The table spec has the shape build_table and summary_figure read."""
+    if not isinstance(spec, dict):
+        raise InvalidResults(f"table is {_json_type(spec)}, not an object")
+    _check_entries(spec.get("rows"), "table.rows")
+    _check_entries(spec.get("columns"), "table.columns")
+    for col in spec["columns"]:
+        try:
+            format(float(col.get("scale", 1)), col.get("fmt", ".4g"))
+        except (TypeError, ValueError) as err:
+            raise InvalidResults(f"table column '{col['title']}' has a bad fmt or scale") from err
+    paper = spec.get("paper") or []
+    if not isinstance(paper, list) or not all(
+            isinstance(p, dict) and isinstance(p.get("row"), dict)
+            and isinstance(p.get("values"), dict)
+            and all(v is None or _is_number(v) for v in p["values"].values()) for p in paper):
+        raise InvalidResults("table.paper is not a list of {row, values: numbers} objects")
+    if spec.get("figure"):
+        _figure_keys(spec["figure"])
+
+
+def _figure_keys(figure: Any) -> tuple[list[str], str]:
+    """(the x and y keys, which must hold numbers; the hue key), or InvalidResults."""
+    if not isinstance(figure, dict):
+        raise InvalidResults(f"table.figure is {_json_type(figure)}, not an object")
+    ys = figure.get("y") if isinstance(figure.get("y"), list) else [figure.get("y")]
+    xy, hue = [figure.get("x"), *ys], figure.get("hue")
+    if not ys or not all(isinstance(k, str) for k in [*xy, hue]):
+        raise InvalidResults("table.figure lacks a string x, y or hue key")
+    return xy, hue
+
+
+def check_results(res: Any) -> None:
+    """The minimum every results.json must satisfy to enter a table (InvalidResults if not)."""
+    if not isinstance(res, dict):
+        raise InvalidResults(f"holds {_json_type(res)}, not an object")
+    missing = [k for k in ("experiment", "seed", "metrics") if k not in res]
+    if missing:
+        raise InvalidResults(f"lacks {', '.join(missing)}")
+    if not isinstance(res["experiment"], str) or not res["experiment"]:
+        raise InvalidResults(f"experiment is {_json_type(res['experiment'])}, not a name")
+    if not isinstance(res["seed"], int) or isinstance(res["seed"], bool):
+        raise InvalidResults(f"seed is {_json_type(res['seed'])}, not an integer")
+    if not isinstance(res["metrics"], dict):
+        raise InvalidResults(f"metrics is {_json_type(res['metrics'])}, not an object")
+    if res.get("table") is not None:
+        _check_spec(res["table"])
+
+
+def check_values(run: Run, spec: dict[str, Any]) -> None:
+    """Every value ``spec`` reads from ``run`` can be averaged (numbers) or grouped (scalars)."""
+    numbers = [c["key"] for c in spec["columns"]]
+    scalars = [r["key"] for r in spec["rows"]]
+    if spec.get("figure"):
+        xy, hue = _figure_keys(spec["figure"])
+        numbers, scalars = numbers + xy, scalars + [hue]
+    for key in numbers:
+        value = get_path(run, key)
+        if value is not None and not _is_number(value):
+            raise InvalidResults(f"{key} is {_json_type(value)}, not a number")
+    for key in scalars:
+        value = get_path(run, key)
+        if isinstance(value, (dict, list)):
+            raise InvalidResults(f"{key} is {_json_type(value)}, not a single value")
+
+
+def _warn(path: str | Path, problem: str) -> None:
+    print(f"warning: skipping {path}: {problem}", file=sys.stderr)
+
+
+def load_results(runs_dir: Path) -> list[Run]:
+    """Every valid results.json under ``runs_dir``, in sorted path order; a warning for each
+    file skipped."""
     runs = []
     for path in sorted(runs_dir.rglob("results.json")):
         try:
-            res = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            print(f"warning: skipping unreadable {path}: {err}", file=sys.stderr)
+            res = _read_json(path)
+            check_results(res)
+        except InvalidResults as err:
+            _warn(path, str(err))
             continue
         res["_path"] = str(path)
         runs.append(res)
     return runs
+
+
+def _setting(run: Run, spec: dict[str, Any]) -> tuple:
+    return tuple(get_path(run, r["key"]) for r in spec["rows"])
+
+
+def table_runs(runs: list[Run], spec: dict[str, Any]) -> list[Run]:
+    """The runs of one experiment that enter its table: values ``spec`` can read, and one run
+    per (setting, seed), the first in path order (``runs`` come sorted), so a copied run
+    folder or a backup never counts as another seed."""
+    kept: dict[tuple, Run] = {}
+    for run in runs:
+        try:
+            check_values(run, spec)
+        except InvalidResults as err:
+            _warn(run["_path"], str(err))
+            continue
+        key = (_setting(run, spec), run["seed"])
+        if key in kept:
+            setting = ", ".join(f"{r['title']}={v}" for r, v in zip(spec["rows"], key[0],
+                                                                     strict=True))
+            _warn(run["_path"], f"seed {run['seed']} of ({setting}) is already in "
+                                f"{kept[key]['_path']}, which is kept")
+            continue
+        kept[key] = run
+    return list(kept.values())
 
 
 def _cell(values: list[float], fmt: str, scale: float) -> tuple[str, float, float]:
@@ -117,7 +286,9 @@ def summary_figure(runs: list[dict[str, Any]], spec: dict[str, Any], path: Path,
         for hue in hues:
             pts: dict[float, list[float]] = defaultdict(list)
             for r in runs:
-                if str(get_path(r, spec["hue"])) == hue and get_path(r, ykey) is not None:
+                # a run without x or y has no point to draw
+                if (str(get_path(r, spec["hue"])) == hue and get_path(r, ykey) is not None
+                        and get_path(r, spec["x"]) is not None):
                     pts[get_path(r, spec["x"])].append(get_path(r, ykey))
             xs = sorted(pts)
             means = [np.mean(pts[x]) for x in xs]
@@ -135,22 +306,33 @@ def summary_figure(runs: list[dict[str, Any]], spec: dict[str, Any], path: Path,
     return path
 
 
-def write_tables(runs_dir: Path, out_dir: Path, only: str | None = None) -> dict[str, Path]:
-    """Write every experiment's table; return {experiment: markdown path}."""
-    by_exp: dict[str, list[dict]] = defaultdict(list)
+def tabled_experiments(runs_dir: Path) -> dict[str, tuple[dict[str, Any], list[Run]]]:
+    """{experiment: (table spec, the runs that enter the table)} for every experiment with at
+    least one valid run carrying a table spec; the spec is the last run's in path order."""
+    by_exp: dict[str, list[Run]] = defaultdict(list)
     for run in load_results(runs_dir):
         if run.get("table"):
-            by_exp[run.get("experiment", "default")].append(run)
+            by_exp[run["experiment"]].append(run)
+    tabled = {}
+    for exp, runs in sorted(by_exp.items()):
+        spec = runs[-1]["table"]
+        if kept := table_runs(runs, spec):
+            tabled[exp] = (spec, kept)
+    return tabled
+
+
+def write_tables(runs_dir: Path, out_dir: Path, only: str | None = None) -> dict[str, Path]:
+    """Write every experiment's table; return {experiment: markdown path}."""
+    by_exp = tabled_experiments(runs_dir)
     if only is not None:
         if only not in by_exp:
             known = ", ".join(sorted(by_exp)) or "none"
-            raise SystemExit(f"error: no results with a table for experiment '{only}' under "
-                             f"{runs_dir} (experiments found: {known})")
+            raise SystemExit(f"error: no valid results with a table for experiment '{only}' "
+                             f"under {runs_dir} (experiments found: {known})")
         by_exp = {only: by_exp[only]}
     out_dir.mkdir(parents=True, exist_ok=True)
     written = {}
-    for exp, runs in sorted(by_exp.items()):
-        spec = runs[-1]["table"]
+    for exp, (spec, runs) in sorted(by_exp.items()):
         shown, numeric = build_table(runs, spec)
         title = spec.get("title", exp)
         # disable_numparse keeps our formatting ("95.0", "0.20") instead of re-parsing numbers
@@ -181,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
                          f"first (e.g. `make demo`) or pass --runs")
     written = write_tables(args.runs, args.out, args.experiment)
     if not written:
-        print(f"no results with a table spec under {args.runs}", file=sys.stderr)
+        print(f"no valid results with a table spec under {args.runs}", file=sys.stderr)
     for exp, path in written.items():
         if not args.quiet:
             print(path.read_text())
