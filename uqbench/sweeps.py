@@ -94,9 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.tables is not None and with_results:
         from uqbench.tables import write_tables
 
-        for experiment in with_results:
-            for path in write_tables(args.runs, args.tables, experiment).values():
-                print(f"→ {path}")
+        for path in write_tables(args.runs, args.tables, with_results).values():
+            print(f"→ {path}")
     return 0
 
 

@@ -321,15 +321,20 @@ def tabled_experiments(runs_dir: Path) -> dict[str, tuple[dict[str, Any], list[R
     return tabled
 
 
-def write_tables(runs_dir: Path, out_dir: Path, only: str | None = None) -> dict[str, Path]:
-    """Write every experiment's table; return {experiment: markdown path}."""
+def write_tables(runs_dir: Path, out_dir: Path, only: str | list[str] | None = None
+                 ) -> dict[str, Path]:
+    """Write every experiment's table (or those named in ``only``, each of which must have
+    valid results); return {experiment: markdown path}. The runs folder is read once."""
     by_exp = tabled_experiments(runs_dir)
     if only is not None:
-        if only not in by_exp:
+        wanted = [only] if isinstance(only, str) else list(only)
+        missing = [e for e in wanted if e not in by_exp]
+        if missing:
             known = ", ".join(sorted(by_exp)) or "none"
-            raise SystemExit(f"error: no valid results with a table for experiment '{only}' "
-                             f"under {runs_dir} (experiments found: {known})")
-        by_exp = {only: by_exp[only]}
+            raise SystemExit(f"error: no valid results with a table for experiment "
+                             f"'{', '.join(missing)}' under {runs_dir} (experiments found: "
+                             f"{known})")
+        by_exp = {e: by_exp[e] for e in wanted}
     out_dir.mkdir(parents=True, exist_ok=True)
     written = {}
     for exp, (spec, runs) in sorted(by_exp.items()):
