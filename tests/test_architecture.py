@@ -70,7 +70,7 @@ def test_the_walk_sees_the_package():
     assert "uqbench.metrics" in GRAPH["uqbench.tasks.classification"]  # `from uqbench import`
 
 
-@pytest.mark.parametrize("layer", ["metrics", "tables", "contracts", "configs"])
+@pytest.mark.parametrize("layer", ["metrics", "tables", "contracts", "configs", "runfolder"])
 def test_leaf_modules_import_nothing_of_the_project(layer):
     assert GRAPH[f"uqbench.{layer}"] == set()
 

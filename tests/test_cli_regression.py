@@ -73,8 +73,17 @@ def test_existing_results_are_kept_unless_asked(tmp_path):
         "config.yaml", "figure.png", "predictions", "results.json", "uqbench.log"]
     run_cli(*args, "skip_existing=true")
     assert path.read_text() == before
-    run_cli(*args, "overwrite=true", "seed=5")
-    assert _results(path.parent)["seed"] == 5
+    run_cli(*args, "overwrite=true")                      # same configuration: replaced
+    assert path.read_text() != before and _results(path.parent)["seed"] == 0
+    # another configuration in the same folder is refused, whatever the flags, with the diff
+    replaced = path.read_text()
+    for flag in ("overwrite=true", "skip_existing=true"):
+        proc = run_cli(*args, flag, "seed=5", "trainer.optimizer.lr=0.001", check=False)
+        assert proc.returncode == 1 and "another configuration" in proc.stderr
+        assert "seed: 0 (stored) → 5 (requested)" in proc.stderr
+        assert "trainer.optimizer.lr: 0.01 (stored) → 0.001 (requested)" in proc.stderr
+        assert path.read_text() == replaced
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".staging")]
 
 
 @pytest.mark.parametrize("override,expected", [

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -60,21 +58,13 @@ def write_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def write_run(run_dir: Path, config: dict, results: dict,
-              predictions: dict[str, dict[str, np.ndarray]]) -> None:
-    """Write everything into a staging folder, then move it into place; results.json last."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=".staging-", dir=run_dir))
-    try:
-        (stage / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
-        for split, arrays in predictions.items():
-            path = stage / "predictions" / f"{split}.npz"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            np.savez_compressed(path, **arrays)
-        if predictions:
-            shutil.rmtree(run_dir / "predictions", ignore_errors=True)
-            os.replace(stage / "predictions", run_dir / "predictions")
-        os.replace(stage / "config.yaml", run_dir / "config.yaml")
-        write_json(run_dir / "results.json", results)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
+def write_stage(stage: Path, config: dict, results: dict,
+                predictions: dict[str, dict[str, np.ndarray]]) -> None:
+    """Write a run's files into its staging folder (``uqbench.runfolder.publish`` swaps the
+    whole folder in at once, so the order of the files does not matter)."""
+    (stage / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
+    for split, arrays in predictions.items():
+        path = stage / "predictions" / f"{split}.npz"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez_compressed(path, **arrays)
+    write_json(stage / "results.json", results)

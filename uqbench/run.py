@@ -18,8 +18,10 @@ import logging
 import os
 import random
 import re
+import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +31,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from uqbench.configs import USER_ERRORS, build, check_types, check_value, options_where
-from uqbench.contracts import to_device
-from uqbench.results import group_settings, run_header, write_run
+from uqbench.evaluation import evaluate, forward_cost
+from uqbench.results import group_settings, run_header, write_stage
+from uqbench.runfolder import (
+    ConfigMismatchError,
+    RunLock,
+    differences,
+    new_stage,
+    publish,
+    recover,
+    stored_config,
+)
 
 log = logging.getLogger("uqbench")
 
@@ -95,25 +106,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def split_group_means(metrics: dict[str, float], splits: list[str]) -> dict[str, float]:
-    """Averages over the splits that share a prefix, e.g. for test_c/<c>/<s>/<metric>:
-    test_c/mean/<metric> (all corruptions and severities), test_c/<c>/mean/<metric> (one
-    corruption over its severities) and test_c/mean/<s>/<metric> (one severity over the
-    corruptions); calibrated metrics (…/ts/<metric>) alike. Only splits whose name has a '/'
-    form groups: test/ts/<metric> is a calibrated metric of `test`, not a group."""
-    groups: dict[str, list[float]] = {}
-    for split in (s for s in splits if "/" in s):
-        parts = split.split("/")
-        names = [f"{parts[0]}/mean"]
-        if len(parts) == 3:  # <group>/<kind>/<level>
-            names += [f"{parts[0]}/{parts[1]}/mean", f"{parts[0]}/mean/{parts[2]}"]
-        for key, value in metrics.items():
-            if key.startswith(split + "/"):
-                for name in names:
-                    groups.setdefault(f"{name}/{key[len(split) + 1:]}", []).append(value)
-    return {k: float(np.mean(v)) for k, v in groups.items()}
-
-
 def check_tasks_agree(cfg: DictConfig, method_factory: Any, data: Any, task: Any) -> None:
     """The dataset, the task scoring it and the method must all mean the same problem."""
     if task.name != data.task:
@@ -128,72 +120,67 @@ def check_tasks_agree(cfg: DictConfig, method_factory: Any, data: Any, task: Any
             f"{', '.join(options_where('method', 'task', data.task))}) or another dataset")
 
 
-def evaluate(method: torch.nn.Module, data: Any, task: Any, device: torch.device
-             ) -> tuple[dict[str, float], dict[str, dict[str, np.ndarray]], dict | None]:
-    """Metrics, predictions and post-hoc calibration of every split the dataset declares.
-
-    eval_splits get the task's standard metrics; ood_splits get its OOD metrics against the
-    test predictions; the validation split (where the dataset has one) is scored too and fits
-    the task's post-hoc calibration (classification: temperature scaling), whose metrics are
-    reported beside the raw ones (``<split>/ts/<metric>``). Splits sharing a prefix are also
-    averaged (test_c/mean/<metric>). Predictions run in a fixed order (eval, OOD, val) so that
-    stochastic methods draw the same random numbers as before the validation pass existed.
-    """
-    predictions: dict[str, dict[str, np.ndarray]] = {}
-    val = ["val"] if data.has_val else []
-    for split in [*data.eval_splits, *data.ood_splits, *val]:
-        predictions[split] = task.predict(method, data.loader(split), device)
-    calibration = task.calibrate(predictions["val"]) if val else None
-    metrics: dict[str, float] = {}
-    for split in [*data.eval_splits, *val]:
-        metrics.update(task.metrics(split, predictions[split], calibration))
-    for split in data.ood_splits:
-        metrics.update(task.ood_metrics(split, predictions.get("test", {}), predictions[split],
-                                        calibration))
-    metrics.update(split_group_means(metrics, list(data.eval_splits)))
-    return metrics, predictions, calibration
-
-
-def forward_cost(method: torch.nn.Module, data: Any, device: torch.device) -> dict[str, Any]:
-    """Forward FLOPs per example (evaluation mode, one test batch; torch's FLOP counter counts
-    matrix products and convolutions) and the peak memory of the run so far."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    cost: dict[str, Any] = {"forward_flops_per_example": None}
-    inputs, y = next(iter(data.loader("test")))
-    method.eval()
-    try:
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            method(to_device(inputs, device))
-        cost["forward_flops_per_example"] = counter.get_total_flops() / len(y)
-    except Exception as err:  # a custom kernel the counter cannot trace: report, never fail
-        log.warning("FLOP count unavailable: %s", err)
-    if device.type == "cuda":
-        cost |= {"peak_memory_bytes": torch.cuda.max_memory_allocated(device),
-                 "peak_memory": "torch.cuda.max_memory_allocated"}
-    else:
-        import resource
-
-        cost |= {"peak_memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                 "peak_memory": "process peak resident set size"}
-    return cost
-
-
 # --- the run ----------------------------------------------------------------------------------
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """Train and evaluate one configuration; return the results dict (also written to disk)."""
+    """Train and evaluate one configuration; return the results dict (also written to disk).
+
+    The job holds its run folder's lock throughout, mends what a killed job left, reuses a
+    finished run only if it has the same configuration, and publishes all files at once.
+    """
     check_config(cfg)
     run_dir = Path(cfg.run_dir)
+    with RunLock(run_dir):
+        for path in recover(run_dir):
+            log.info("removed %s, left by an interrupted job", path)
+        return _run(cfg, run_dir)
+
+
+def reuse(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
+    """A finished run's results where skip_existing may return them; None where this job
+    runs. Refuses a folder holding another configuration, whatever the flags."""
     results_path = run_dir / "results.json"
-    if results_path.exists():
-        if cfg.skip_existing and not cfg.overwrite:
-            log.info("skip: %s already exists (skip_existing=true)", results_path)
-            return json.loads(results_path.read_text())
-        if not cfg.overwrite:
-            raise RunExistsError(
-                f"{results_path} already exists. Pass overwrite=true to replace it, "
-                f"skip_existing=true to keep it and move on, or run_name=<new name>.")
+    if not results_path.exists():
+        return None
+    stored = stored_config(run_dir)
+    diff = (differences(stored, OmegaConf.to_container(cfg, resolve=True)) if stored
+            else ["config.yaml is missing or unreadable"])
+    if diff:
+        raise ConfigMismatchError(
+            f"{run_dir} holds the results of another configuration:\n  " + "\n  ".join(diff)
+            + "\nskip_existing and overwrite act only on the same configuration: give this "
+              "run its own folder (run_name=<name>) or delete that one")
+    if cfg.skip_existing and not cfg.overwrite:
+        log.info("skip: %s holds this configuration's results (skip_existing=true)", run_dir)
+        return json.loads(results_path.read_text())
+    if not cfg.overwrite:
+        raise RunExistsError(
+            f"{results_path} already exists for this configuration. Pass overwrite=true to "
+            f"replace it, skip_existing=true to keep it and move on, or run_name=<new name>.")
+    return None
+
+
+def publish_run(cfg: DictConfig, run_dir: Path, config: dict, results: dict,
+                predictions: dict, figure: Callable[[Path], Path | None] | None = None,
+                logger: Any = None) -> None:
+    """Stage every file of the run, hand the summary to the logger, swap the folder in."""
+    stage = new_stage(run_dir)
+    try:
+        write_stage(stage, config, results, predictions if cfg.save_predictions else {})
+        image = figure(stage / "figure.png") if figure is not None else None
+        if logger is not None:
+            logger.log_summary(results["metrics"])
+            if image is not None:
+                logger.log_image("figure", image)
+                # the tracker copied the image; the published one lives in the run folder
+            logger.finish()
+        publish(stage, run_dir)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    log.info("wrote %s", run_dir / "results.json")
+
+
+def _run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     job = cfg.get("job", "train")
     if job not in ("train", "params"):
         raise ValueError(f"job '{job}' is not one of: train, params")
@@ -205,17 +192,18 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             log.warning("trainer.epochs=%s, lr=%s: the untrained model is evaluated "
                         "(results.json: train.updated_weights=false)", trainer.epochs,
                         cfg.trainer.optimizer.get("lr"))
+    if (existing := reuse(cfg, run_dir)) is not None:
+        return existing
     seed_everything(int(cfg.seed))
     if cfg.get("torch_threads"):
         torch.set_num_threads(int(cfg.torch_threads))
+    config = OmegaConf.to_container(cfg, resolve=True)
     if job == "params":  # count parameters only: no data, no training (uqbench/overhead.py)
         from uqbench.overhead import params_job
 
-        config = OmegaConf.to_container(cfg, resolve=True)
         results = {**run_header(cfg), "job": job, **params_job(cfg),
                    "table": config.get("table")}
-        write_run(run_dir, config, results, {})
-        log.info("wrote %s", results_path)
+        publish_run(cfg, run_dir, config, results, {})
         return results
     device = resolve_device(str(cfg.device))
     if device.type == "cuda":
@@ -230,7 +218,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     backbone = build(cfg.backbone)
     data.setup(backbone)
     method = method_factory(backbone=backbone, info=data.info).to(device)
-    config = OmegaConf.to_container(cfg, resolve=True)
 
     logger = build(cfg.logger)
     logger.start(run_dir, name=cfg.run_subdir, config=config)
@@ -239,7 +226,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         start = time.perf_counter()
         metrics, predictions, calibration = evaluate(method, data, task, device)
         eval_s = time.perf_counter() - start
-        cost = forward_cost(method, data, device)
         results = {
             **run_header(cfg),
             "settings": {
@@ -254,25 +240,19 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             "metrics": metrics,
             "calibration": calibration,
             "time": {"train_s": train["train_s"], "eval_s": eval_s},
-            "cost": cost,
+            "cost": forward_cost(method, data, device),
             "environment": environment(),
             "train": {"epochs": train["epochs"], "selected_epoch": train["selected_epoch"],
                       "updated_weights": trainer.updates_weights,
                       "device": str(device)},
             "table": config.get("table"),
         }
-        write_run(run_dir, config, results, predictions if cfg.save_predictions else {})
-        figure = None
-        if cfg.plot and hasattr(task, "plot"):
-            figure = task.plot(run_dir / "figure.png", method, data, device,
-                               title=f"{cfg.run_subdir}  test NLL "
-                                     f"{metrics.get('test/nll', float('nan')):.3f}")
-        logger.log_summary(metrics)
-        if figure is not None:
-            logger.log_image("figure", figure)
+        title = f"{cfg.run_subdir}  test NLL {metrics.get('test/nll', float('nan')):.3f}"
+        figure = ((lambda path: task.plot(path, method, data, device, title=title))
+                  if cfg.plot and hasattr(task, "plot") else None)
+        publish_run(cfg, run_dir, config, results, predictions, figure, logger)
     finally:
-        logger.finish()
-    log.info("wrote %s", results_path)
+        logger.finish()  # a second finish is a no-op; a failed run still closes its tracker
     return results
 
 

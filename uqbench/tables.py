@@ -183,9 +183,12 @@ def _warn(path: str | Path, problem: str) -> None:
 
 def load_results(runs_dir: Path) -> list[Run]:
     """Every valid results.json under ``runs_dir``, in sorted path order; a warning for each
-    file skipped."""
+    file skipped. Hidden folders (``.staging-…``: a run being published or cut short) are not
+    runs and are passed over silently."""
     runs = []
     for path in sorted(runs_dir.rglob("results.json")):
+        if any(part.startswith(".") for part in path.relative_to(runs_dir).parts[:-1]):
+            continue
         try:
             res = _read_json(path)
             check_results(res)

@@ -1,0 +1,119 @@
+"""Run folders never lie: one job per folder, all-or-nothing publishing, recovery after kills."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers import ROOT
+from uqbench import runfolder
+
+SMALL = ["trainer.epochs=2", "trainer.progress=false", "dataset.n_train=100", "dataset.n_val=20",
+         "dataset.n_test=20", "dataset.n_ood=20", "plot=false"]
+
+
+def _cli(*args: str, kill_at: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("UQBENCH_KILL_AT", None)
+    if kill_at:
+        env["UQBENCH_KILL_AT"] = kill_at
+    return subprocess.run([sys.executable, "-m", "uqbench.run", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """One finished run (with predictions) to copy: its folder and its results.json bytes."""
+    runs = tmp_path_factory.mktemp("runs")
+    proc = _cli(*SMALL, f"paths.runs_dir={runs}", "run_name=base")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return runs / "base"
+
+
+@pytest.mark.parametrize("point,survivor", [("staged", "old"), ("swapped", "new"),
+                                            ("carried", "new")])
+def test_a_kill_while_publishing_leaves_one_complete_folder(tmp_path, finished, point,
+                                                            survivor):
+    run_dir = tmp_path / "k"
+    shutil.copytree(finished, run_dir)
+    before = (run_dir / "results.json").read_bytes()
+    # the new attempt keeps no predictions, so old and new folders are told apart by them
+    proc = _cli(*SMALL, f"paths.runs_dir={tmp_path}", "run_name=k", "overwrite=true",
+                "save_predictions=false", kill_at=point)
+    assert proc.returncode == -signal.SIGKILL
+    now = (run_dir / "results.json").read_bytes()
+    has_predictions = (run_dir / "predictions" / "test.npz").is_file()
+    assert (now == before, has_predictions) == ((True, True) if survivor == "old"
+                                                else (False, False))
+    assert (run_dir / "config.yaml").is_file()
+    # the next job in the folder mends what the kill left, and reuses the survivor as is
+    proc = _cli(*SMALL, f"paths.runs_dir={tmp_path}", "run_name=k", "skip_existing=true")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (run_dir / "results.json").read_bytes() == now
+    log = (run_dir / "uqbench.log").read_text()  # every attempt's lines, the first run's too
+    assert log.count("wrote ") >= 1 and "skip: " in log
+    assert log.index("wrote ") < log.index("skip: ")
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [".k.lock"]
+
+
+def test_an_interrupted_fallback_swap_is_restored(tmp_path, finished, monkeypatch):
+    """Without an atomic exchange the old folder is renamed aside first; a job cut between the
+    two renames leaves no folder in place, and the next job restores the old one."""
+    run_dir = tmp_path / "k"
+    shutil.copytree(finished, run_dir)
+    before = (run_dir / "results.json").read_bytes()
+    stage = runfolder.new_stage(run_dir)
+    (stage / "results.json").write_text("{}")
+    monkeypatch.setattr(runfolder, "_exchange", lambda a, b: False)
+    renames = []
+
+    def cut_after_first(src, dst):
+        if renames:
+            raise KeyboardInterrupt  # the job dies between the two renames
+        renames.append(src)
+        os.replace(src, dst)
+
+    monkeypatch.setattr(runfolder.os, "rename", cut_after_first)
+    with pytest.raises(KeyboardInterrupt):
+        runfolder.publish(stage, run_dir)
+    monkeypatch.undo()
+    assert not run_dir.exists() and list(tmp_path.glob(".replaced-k-*"))
+    run_dir.mkdir()  # the next job's log folder, as Hydra makes it
+    (run_dir / "uqbench.log").write_text("next job\n")
+    removed = runfolder.recover(run_dir)
+    assert (run_dir / "results.json").read_bytes() == before
+    assert (run_dir / "predictions" / "test.npz").is_file()
+    log = (run_dir / "uqbench.log").read_text()  # the old folder's log, then the next job's
+    assert log.endswith("next job\n") and log.index("wrote ") < log.index("next job")
+    assert not list(tmp_path.glob(".replaced-*")) and not list(tmp_path.glob(".staging-*"))
+    assert any(p.name.startswith(".staging-k-") for p in removed)
+
+
+def test_a_second_job_into_the_same_folder_is_refused_and_a_dead_ones_lock_is_not(tmp_path):
+    args = [sys.executable, "-m", "uqbench.run", *SMALL, "trainer.epochs=100000",
+            f"paths.runs_dir={tmp_path}", "run_name=busy"]
+    first = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    lock = tmp_path / ".busy.lock"
+    try:
+        deadline = time.time() + 120
+        while not (lock.exists() and lock.read_text().strip() == str(first.pid)):
+            assert time.time() < deadline and first.poll() is None, "the first job never locked"
+            time.sleep(0.2)
+        second = _cli(*SMALL, f"paths.runs_dir={tmp_path}", "run_name=busy")
+        assert second.returncode == 1
+        assert f"another job (pid {first.pid}) is writing" in second.stderr
+        assert "Traceback" not in second.stderr
+    finally:
+        first.kill()
+        first.wait()
+    assert not (tmp_path / "busy" / "results.json").exists()
+    third = _cli(*SMALL, f"paths.runs_dir={tmp_path}", "run_name=busy")  # the lock died with it
+    assert third.returncode == 0, third.stderr[-2000:]
+    assert (tmp_path / "busy" / "results.json").is_file()

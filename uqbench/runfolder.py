@@ -1,0 +1,210 @@
+"""A run folder that never lies: one job at a time, published all at once, reused only as is.
+
+- **One job per folder.** A job holds an exclusive ``flock`` on ``.<folder>.lock`` beside its run
+  folder for its whole life; a second job into the same folder is refused at once. The kernel
+  drops the lock when the process ends, however it ends, so a lock is never stale.
+- **All-or-nothing publishing.** Everything a run produces (``config.yaml``, ``results.json``,
+  ``predictions/``, ``figure.png``) is written into a staging folder beside the run folder, then
+  swapped in with ONE atomic ``renameat2(RENAME_EXCHANGE)``: a reader (or a kill at any moment)
+  sees either the old complete folder or the new complete one, never a mix. Files that belong to
+  the folder rather than to one attempt (``uqbench.log``, ``wandb/``) are carried over. Where the
+  exchange is not available (not Linux, or a filesystem without it), the old folder is renamed
+  aside first and restored by the next job if the swap was cut short.
+- **Reuse only the same configuration.** ``skip_existing`` and ``overwrite`` act only when the
+  stored resolved config equals the requested one (bookkeeping keys aside); otherwise the job is
+  refused with the difference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import shutil
+import signal
+import uuid
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+PUBLISHED = ("config.yaml", "results.json", "predictions", "figure.png")
+# Keys of the resolved config that cannot change a result (where and how a run is kept/shown).
+BOOKKEEPING = ("paths", "skip_existing", "overwrite", "save_predictions", "plot", "device",
+               "torch_threads", "logger", "run_dir", "run_subdir", "run_name", "hydra", "table")
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+class RunLockedError(FileExistsError):
+    """Another job is writing this run folder."""
+
+
+class ConfigMismatchError(FileExistsError):
+    """The run folder holds results of a different configuration."""
+
+
+# --- one job per folder ---------------------------------------------------------------------------
+
+class RunLock:
+    """Exclusive lock on a run folder (``with RunLock(run_dir): …``), released on any exit."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir.parent / f".{run_dir.name}.lock"
+        self.run_dir = run_dir
+        self._fd: int | None = None
+
+    def __enter__(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise RunLockedError(
+                f"another job (pid {holder}) is writing {self.run_dir}; wait for it to finish, "
+                f"or give this one its own folder (run_name=<name>)") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
+
+
+# --- all-or-nothing publishing --------------------------------------------------------------------
+
+def new_stage(run_dir: Path) -> Path:
+    """An empty staging folder beside ``run_dir`` (same filesystem, so the swap is a rename)."""
+    stage = run_dir.parent / f".staging-{run_dir.name}-{uuid.uuid4().hex[:8]}"
+    stage.mkdir(parents=True)
+    return stage
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2); False where the system cannot."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is None:
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, f"cannot swap {a} and {b}: {os.strerror(err)}")
+
+
+def _kill_point(name: str) -> None:
+    """Fault injection for the tests: ``UQBENCH_KILL_AT=<name>`` SIGKILLs the job here."""
+    if os.environ.get("UQBENCH_KILL_AT") == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def publish(stage: Path, run_dir: Path) -> None:
+    """Put the complete ``stage`` in place of ``run_dir`` in one step; keep the folder's log
+    and tracker files; remove what the old folder published."""
+    _kill_point("staged")
+    if not run_dir.exists():
+        os.rename(stage, run_dir)
+        return
+    if _exchange(stage, run_dir):
+        old = stage                                       # the swap left the old folder here
+    else:                                                 # two renames; recover() mends a cut
+        old = run_dir.parent / f".replaced-{run_dir.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(run_dir, old)
+        _kill_point("aside")
+        os.rename(stage, run_dir)
+    _kill_point("swapped")
+    _carry(old, run_dir)                                  # uqbench.log, wandb/, …
+    _kill_point("carried")
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _carry(old: Path, run_dir: Path) -> None:
+    """Move what belongs to the folder rather than to one attempt (uqbench.log, wandb/, …) from
+    a leftover folder into ``run_dir``. A log both hold is joined, older lines first, rewritten
+    in place (the running job appends to it through an open handle)."""
+    for entry in old.iterdir():
+        if entry.name in PUBLISHED:
+            continue
+        target = run_dir / entry.name
+        if not target.exists():
+            os.rename(entry, target)
+        elif entry.is_file() and target.is_file():
+            with open(target, "r+b") as f:
+                newer = f.read()
+                f.seek(0)
+                f.write(entry.read_bytes() + newer)
+                f.truncate()
+
+
+def recover(run_dir: Path) -> list[Path]:
+    """Under the lock, before a job starts: restore a folder whose fallback swap was cut
+    between its two renames, bring back the log a cut publish left behind, and delete the
+    staging of killed jobs. Returns the leftover folders removed."""
+    parent = run_dir.parent
+    if not parent.is_dir():
+        return []
+    aside = sorted(parent.glob(f".replaced-{run_dir.name}-*"))
+    if aside and not (run_dir / "results.json").exists():
+        restored = aside.pop(0)
+        run_dir.mkdir(exist_ok=True)  # holds the running job's log: files move in, not out
+        for name in sorted(PUBLISHED, key=lambda n: n == "results.json"):  # results last
+            if (restored / name).exists():
+                target = run_dir / name
+                if target.is_dir():
+                    shutil.rmtree(target)  # a cut restore's partial copy
+                os.replace(restored / name, target)
+        _carry(restored, run_dir)
+        shutil.rmtree(restored, ignore_errors=True)
+    stale = aside + sorted(parent.glob(f".staging-{run_dir.name}-*"))
+    stale += sorted(run_dir.glob(".staging-*")) if run_dir.is_dir() else []  # older layout
+    for path in stale:
+        if run_dir.is_dir() and path.parent != run_dir:
+            _carry(path, run_dir)
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+# --- reuse only the same configuration ------------------------------------------------------------
+
+def identity(config: dict[str, Any]) -> dict[str, Any]:
+    """The resolved config without its bookkeeping keys, flattened to dotted keys."""
+    flat: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if ((not prefix and k in BOOKKEEPING) or str(k).startswith("_")
+                        or (prefix == "trainer." and k == "progress")):
+                    continue  # bookkeeping, Hydra's instantiation keys, the progress bar
+                walk(v, f"{prefix}{k}.")
+        else:
+            flat[prefix[:-1]] = node
+
+    walk(config, "")
+    return flat
+
+
+def differences(stored: dict[str, Any], requested: dict[str, Any], limit: int = 8) -> list[str]:
+    """``key: stored → requested`` for each identity key that differs."""
+    a, b = identity(stored), identity(requested)
+    # a key one side lacks counts as null: a newer config may add options that default to null
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    lines = [f"{k}: {a.get(k, '<absent>')!r} (stored) → {b.get(k, '<absent>')!r} (requested)"
+             for k in keys[:limit]]
+    return lines + ([f"… and {len(keys) - limit} more"] if len(keys) > limit else [])
+
+
+def stored_config(run_dir: Path) -> dict[str, Any] | None:
+    """The resolved config a finished run stored, or None if it is missing or unreadable."""
+    try:
+        config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return None
+    return config if isinstance(config, dict) else None
