@@ -17,7 +17,7 @@ from torch import nn
 
 from uqbench.backbones.hf import bundled_tokenizer_path, last_token_index
 from uqbench.contracts import DataInfo
-from uqbench.methods.ensemble import repeat_members, replace_linears
+from uqbench.methods.layers import repeat_members, replace_linears
 from uqbench.methods.lora_ensemble import LoRALinear
 from uqbench.methods.sve import SVELinear
 

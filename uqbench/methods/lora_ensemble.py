@@ -16,10 +16,9 @@ import torch
 from torch import nn
 
 from uqbench.contracts import DataInfo
-from uqbench.methods.ensemble import (
-    EnsembleMethod,
+from uqbench.methods.ensemble import EnsembleMethod, positive_int
+from uqbench.methods.layers import (
     MemberLinear,
-    positive_int,
     replace_linears,
     resolve_targets,
     split_members,

@@ -20,13 +20,8 @@ import torch
 from torch import nn
 
 from uqbench.contracts import DataInfo
-from uqbench.methods.ensemble import (
-    EnsembleMethod,
-    Inputs,
-    positive_int,
-    repeat_members,
-    split_members,
-)
+from uqbench.methods.ensemble import EnsembleMethod, Inputs, positive_int
+from uqbench.methods.layers import repeat_members, split_members
 
 
 class MCDropout(EnsembleMethod):

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from uqbench.contracts import Batch, DataInfo
-from uqbench.methods.ensemble import (
-    EnsembleMethod,
+from uqbench.methods.ensemble import EnsembleMethod
+from uqbench.methods.layers import (
     MemberLinear,
     replace_linears,
     resolve_targets,
