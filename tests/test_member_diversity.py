@@ -2,8 +2,9 @@
 exact copies only when a method is asked for them.
 
 Families: a tiny timm ViT, BERT and LLaMA (random heads), and LLaMA scoring ARC-Easy as next
-tokens, where every head starts as the LM's own answer-letter rows (the path on which a Deep
-Ensemble's members used to be identical: same rows, exact encoder copies, same batches).
+tokens, where every head starts as the LM's own answer-letter rows (where, without a
+per-member perturbation, a Deep Ensemble's members are identical: same rows, exact encoder
+copies, same batches).
 SVF and the single model have one member and are left out.
 """
 
