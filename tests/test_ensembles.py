@@ -17,7 +17,7 @@ from torch import nn
 
 from uqbench.backbones.hf import bundled_tokenizer_path, last_token_index
 from uqbench.contracts import DataInfo
-from uqbench.methods.ensemble import repeat_members, replace_linears
+from uqbench.methods.layers import repeat_members, replace_linears
 from uqbench.methods.lora_ensemble import LoRALinear
 from uqbench.methods.sve import SVELinear
 
@@ -341,7 +341,9 @@ def test_replacement_on_a_nested_model_wraps_the_original_layer():
 def test_mc_dropout_keeps_only_dropout_on_at_test_time(cfg):
     m, _ = build(cfg, "tiny_vit", "mc_dropout", "method.samples=6", "method.p=0.3")
     m.eval()
-    dropouts = [mod for mod in m.modules() if isinstance(mod, nn.Dropout)]
+    # the dropouts MC-Dropout applies (attention-probability dropout is off: rate 0)
+    dropouts = [mod for name, mod in m.named_modules()
+                if isinstance(mod, nn.Dropout) and not name.endswith("attn_drop")]
     assert len(dropouts) > 1 and all(d.training and d.p == 0.3 for d in dropouts)
     others = [mod for mod in m.modules() if not isinstance(mod, nn.Dropout)]
     assert not any(mod.training for mod in others)  # LayerNorm, attention, DropPath …

@@ -27,8 +27,10 @@ LLAMA2_7B = 6_738_415_616 - 32_000 * 4096  # Llama-2-7b-hf minus its LM head (Ll
 
 # (backbone, M, d, blocks, base, SVE per member per block, LoRA q,k,v,o per member per block)
 CASES = {
-    # ViT: fused qkv (d → 3d, rank d) + proj + fc1 (d → 4d) + fc2: 4d singular values, 9d biases
-    "dino_vits16": (4, 384, 12, vit_s16_base(), 4 * 384 + 9 * 384, R * (384 + 3 * 384)
+    # ViT: fused qkv (d → 3d, rank d) + proj + fc1 (d → 4d) + fc2: 4d singular values, 9d biases.
+    # LoRA, as the official code: separate rank-R adapters for q, k, v (d → d each) on the
+    # fused qkv layer, plus proj: 3·R·2d + R·2d.
+    "dino_vits16": (4, 384, 12, vit_s16_base(), 4 * 384 + 9 * 384, 3 * R * 2 * 384
                     + R * 2 * 384),
     # BERT: q, k, v, o, intermediate, output: 6d singular values + 9d biases = 15d
     "bert_base": (8, 768, 12, BERT_BASE, 15 * 768, 4 * R * 2 * 768),
@@ -60,6 +62,48 @@ def test_sve_and_lora_follow_the_closed_forms(job, backbone):
     assert lora["settings"]["method"]["rank"] == R
     assert lora["params"]["added"] == M * L * lora_block
     assert lora["params"]["total"] == base + M * L * lora_block + lora["params"]["heads"]
+
+
+@pytest.fixture(scope="module")
+def job_with():
+    GlobalHydra.instance().clear()
+    with initialize_config_module("uqbench.conf", version_base="1.3"):
+        yield lambda *overrides: params_job(compose(
+            "config", overrides=["experiment=p1_overhead", *overrides]))
+    GlobalHydra.instance().clear()
+
+
+@pytest.mark.parametrize("backbone,d,base", [("dino_vits16", 384, vit_s16_base()),
+                                             ("dinov2_vits14", 384, None)])
+def test_vit_sve_in_both_qkv_forms_and_lora_on_the_fused_matrix(job_with, backbone, d, base):
+    """SVE with q, k, v decomposed apart (P1's text): per block and member 3d (q, k, v, each
+    d × d of rank d) + d (proj) + d (fc1, d → 4d) + d (fc2) = 6d singular values and
+    3d + d + 4d + d = 9d biases, as BERT. Fused (P1's public code): 4d singular values, 9d
+    biases. LoRA with one adapter on the fused matrix: R·(d + 3d) + R·2d (proj)."""
+    M, L = 4, 12
+    split = job_with(f"backbone={backbone}", "method=sve_split")
+    fused = job_with(f"backbone={backbone}", "method=sve")
+    assert split["settings"]["method"]["qkv"] == "split"
+    assert split["settings"]["method"]["split_qkv_layers"] == L
+    assert split["params"]["added"] == M * L * (6 * d + 9 * d)
+    assert fused["params"]["added"] == M * L * (4 * d + 9 * d)
+    assert split["params"]["base"] == fused["params"]["base"]
+    if base is not None:
+        assert split["params"]["base"] == base
+    # U and V buffers: fused qkv U (3d × d), V (d × d); split 3 × (U (d × d), V (d × d)).
+    extra_uv = L * (3 * 2 * d * d - (3 * d * d + d * d)) * 4  # float32 bytes
+    extra_s0 = L * (3 * d - d) * 4
+    assert split["params"]["buffer_bytes"] - fused["params"]["buffer_bytes"] == \
+        extra_uv + extra_s0
+    lora = job_with(f"backbone={backbone}", "method=lora_ensemble", "method.qkv=fused")
+    assert lora["params"]["added"] == M * L * (R * (d + 3 * d) + R * 2 * d)
+
+
+def test_sve_split_is_plain_sve_without_a_fused_qkv_layer(job_with):
+    split = job_with("backbone=bert_base", "method=sve_split")
+    plain = job_with("backbone=bert_base", "method=sve")
+    assert split["settings"]["method"]["split_qkv_layers"] == 0
+    assert split["params"] == plain["params"]
 
 
 def test_bert_base_reproduces_p1_within_rounding(job):

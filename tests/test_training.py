@@ -86,3 +86,145 @@ def test_bad_trainer_settings_are_named(field, value, match):
 def test_trainer_needs_an_optimizer_factory():
     with pytest.raises(ValueError, match="trainer.optimizer"):
         Trainer(optimizer="adam")
+
+
+# --- per-member gradient clipping -------------------------------------------------------------
+
+def _reference_clip(grads: list[torch.Tensor], max_norm: float) -> list[torch.Tensor]:
+    """torch's own clip_grad_norm_ on independent copies of one member's gradients."""
+    copies = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for c, g in zip(copies, grads, strict=True):
+        c.grad = g.detach().clone()
+    torch.nn.utils.clip_grad_norm_(copies, max_norm)
+    return [c.grad for c in copies]
+
+
+def _ensemble(method: str, *overrides: str):
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from uqbench.contracts import DataInfo
+
+    GlobalHydra.instance().clear()
+    with initialize_config_module("uqbench.conf", version_base="1.3"):
+        c = compose("config", overrides=["backbone=tiny_vit", f"method={method}", *overrides])
+    GlobalHydra.instance().clear()
+    torch.manual_seed(0)
+    return instantiate(c.method)(backbone=instantiate(c.backbone),
+                                 info=DataInfo(task="classification", num_classes=3))
+
+
+def _member_grads(m, k: int) -> list[torch.Tensor]:
+    """Member k's gradients, read from the parameter names (independent of the declaration):
+    slice k of every adapter and head tensor, and encoder copy k of a Deep Ensemble."""
+    out = []
+    for name, p in m.named_parameters():
+        if p.grad is None:
+            continue
+        if name.startswith("de_encoders."):
+            if name.split(".")[1] == str(k):
+                out.append(p.grad)
+        else:  # head.*, sve_*, lora_*, de_params.*: member k is slice k of dim 0
+            out.append(p.grad[k])
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+@pytest.mark.parametrize("method,overrides", [
+    ("sve", ["method.sigma_init=0.1"]), ("lora_ensemble", []), ("deep_ensemble", []),
+    ("deep_ensemble", ["method.vectorize=true"]), ("deep_ensemble_lp", [])])
+def test_each_members_gradient_is_clipped_as_if_it_were_alone(method, overrides):
+    from uqbench.training import clip_groups, clip_per_member_
+
+    m = _ensemble(method, "method.members=3", *overrides)
+    m.train()
+    m.loss((torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 0]))).backward()
+    with torch.no_grad():  # member 1's gradient ×1000: it alone must be clipped hard
+        for g in _member_grads(m, 1):
+            g.mul_(1000.0)
+    before = [[g.clone() for g in _member_grads(m, k)] for k in range(3)]
+    norms = [torch.linalg.vector_norm(torch.cat([g.flatten() for g in gs])) for gs in before]
+    max_norm = float(norms[0] + norms[2]) / 2 + 1e-3  # between: clips 1, leaves 0 or 2 alone
+    assert norms[1] > 100 * max_norm
+    params = [p for p in m.parameters() if p.requires_grad]
+    clip_per_member_(clip_groups(m, params), max_norm)
+    for k in range(3):
+        expected = _reference_clip(before[k], max_norm)
+        for got, want in zip(_member_grads(m, k), expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+    unclipped = min(range(3), key=lambda k: norms[k])  # below max_norm: left exactly as it was
+    assert all(torch.equal(g, b) for g, b in zip(_member_grads(m, unclipped), before[unclipped],
+                                                 strict=True))
+
+
+def test_one_model_is_clipped_jointly_exactly_as_before():
+    """Single, MC-Dropout, SVF (one group of whole tensors): torch's clip_grad_norm_ itself."""
+    from uqbench.training import clip_groups, clip_per_member_
+
+    for method in ("single", "mc_dropout", "svf"):
+        m = _ensemble(method)
+        m.train()
+        torch.manual_seed(1)
+        m.loss((torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 0]))).backward()
+        params = [p for p in m.parameters() if p.requires_grad]
+        expected = _reference_clip([p.grad for p in params], 1e-3)
+        groups = clip_groups(m, params)
+        assert len(groups) == 1 and [p for p, _ in groups[0]] == params
+        clip_per_member_(groups, 1e-3)
+        assert all(torch.equal(p.grad, e) for p, e in zip(params, expected, strict=True))
+
+
+class _Stacked(Method):
+    """Three members' parameters stacked (3, 2); member m's loss gradient is c_m · v."""
+
+    task = "regression"
+    name = "stacked"
+    SCALE = torch.tensor([1.0, 1000.0, 0.01])
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(3, 2))
+
+    def member_parameters(self):
+        from uqbench.methods.base import MemberParameters
+
+        return MemberParameters(3, stacked=[self.w])
+
+    def forward(self, x):
+        return RegressionOutput(x * 0 + self.w.sum(), torch.ones_like(x))
+
+    def loss(self, batch):
+        return (self.SCALE[:, None] * torch.tensor([3.0, 4.0]) * self.w).sum()
+
+
+def test_trainer_fit_clips_per_member():
+    """One SGD step (lr 1, grad_clip 1): member gradients 5·c_m · (0.6, 0.8) with c = (1, 1000,
+    0.01) become (0.6, 0.8)·min(1, 1/(5·c_m + 1e-6))·5·c_m: members 0 and 1 clipped to norm 1,
+    member 2 (norm 0.05) untouched — a joint clip would have shrunk it ~1000-fold."""
+    data = PolynomialData(n_train=100, batch_size=100)
+    data.setup()
+    method = _Stacked()
+    Trainer(optimizer=lambda params: torch.optim.SGD(params, lr=1.0), epochs=1, grad_clip=1.0,
+            val_every=100, progress=False).fit(method, data, RegressionTask(),
+                                               torch.device("cpu"), NullLogger())
+    unit = torch.tensor([0.6, 0.8])
+    expected = torch.stack([-unit * 5 / (5 + 1e-6), -unit * 5000 / (5000 + 1e-6),
+                            -unit * 0.05])
+    torch.testing.assert_close(method.w.detach(), expected, rtol=1e-6, atol=1e-8)
+
+
+def test_undeclared_or_twice_declared_parameters_are_named():
+    from uqbench.methods.base import MemberParameters
+    from uqbench.training import clip_groups
+
+    method = _Stacked()
+    method.extra = torch.nn.Parameter(torch.zeros(1))
+    with pytest.raises(RuntimeError, match="'extra' is not declared"):
+        clip_groups(method, list(method.parameters()))
+    method.member_parameters = lambda: MemberParameters(3, stacked=[method.w],
+                                                        shared=[method.w, method.extra])
+    with pytest.raises(RuntimeError, match="'w' is declared more than once"):
+        clip_groups(method, list(method.parameters()))
+    method.member_parameters = lambda: MemberParameters(2, stacked=[method.w])
+    with pytest.raises(RuntimeError, match=r"shape \(3, 2\), not \(2, …\)"):
+        clip_groups(method, [method.w])

@@ -25,6 +25,8 @@ if TYPE_CHECKING:  # types only: the loop takes a built method, data and task fr
 
 SCHEDULES = ("constant", "cosine")
 SELECTIONS = ("last", "best")
+# A gradient group: (parameter, member index into its dim 0, or None for the whole tensor).
+Group = list[tuple[torch.nn.Parameter, int | None]]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -41,13 +43,71 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
     return 1.0
 
 
+def clip_groups(method: Method, params: list[torch.nn.Parameter]) -> list[Group]:
+    """The groups whose gradient norms are clipped apart: one per member, then one of the
+    shared parameters (``method.member_parameters()``), each in the order of ``params``.
+
+    Raises if a trained parameter belongs to no group or to two, or if a stacked parameter's
+    dim 0 is not the number of members.
+    """
+    layout = method.member_parameters()
+    M = int(layout.members)
+    if layout.owned and len(layout.owned) != M:
+        raise RuntimeError(f"method '{method.name}' declares {len(layout.owned)} lists of "
+                           f"member-owned parameters for {M} members")
+    places: dict[int, list[tuple[int | None, int | None]]] = {}  # id → [(group, index)]
+    declared: dict[int, int] = {}  # id → how many declarations name it
+    for p in layout.stacked:
+        if p.dim() == 0 or p.shape[0] != M:
+            raise RuntimeError(f"method '{method.name}': a stacked member parameter has shape "
+                               f"{tuple(p.shape)}, not ({M}, …)")
+        places.setdefault(id(p), []).extend((m, m) for m in range(M))
+        declared[id(p)] = declared.get(id(p), 0) + 1
+    for group, plist in [*enumerate(layout.owned), (None, layout.shared)]:
+        for p in plist:
+            places.setdefault(id(p), []).append((group, None))
+            declared[id(p)] = declared.get(id(p), 0) + 1
+    names = {id(p): n for n, p in method.named_parameters()}
+    groups: list[Group] = [[] for _ in range(M + 1)]  # the members', then the shared group
+    for p in params:
+        if declared.get(id(p), 0) != 1:
+            how = "not declared" if id(p) not in declared else "declared more than once"
+            raise RuntimeError(f"method '{method.name}': trained parameter "
+                               f"'{names.get(id(p), '?')}' is {how} in member_parameters() "
+                               f"(stacked, owned by a member, or shared)")
+        for group, index in places[id(p)]:
+            groups[M if group is None else group].append((p, index))
+    return [g for g in groups if g]
+
+
+def clip_per_member_(groups: list[Group], max_norm: float) -> list[torch.Tensor]:
+    """Clip each group's gradient to 2-norm ``max_norm`` on its own, as
+    ``torch.nn.utils.clip_grad_norm_`` clips a whole model (factor min(1, max / (norm + 1e-6)));
+    returns the norms before clipping. One group of whole tensors IS that call."""
+    if len(groups) == 1 and all(index is None for _, index in groups[0]):
+        return [torch.nn.utils.clip_grad_norm_([p for p, _ in groups[0]], max_norm)]
+    norms = []
+    for group in groups:
+        grads = [p.grad if index is None else p.grad[index] for p, index in group
+                 if p.grad is not None]                       # views: scaling them scales p.grad
+        if not grads:
+            continue
+        norm = torch.nn.utils.get_total_norm(grads)
+        factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(factor.to(g.device))
+        norms.append(norm)
+    return norms
+
+
 class Trainer:
     """Optimisation and model selection, the same for every method.
 
     optimizer: a factory ``optimizer(params=…)`` (Hydra ``_partial_``). epochs: passes over the
     training split (0 = evaluate the untrained model). batch_size: the recipe's training batch;
     the runner writes it into ``dataset.batch_size`` before the data is built (None = keep the
-    dataset's). grad_clip: max gradient norm or None.
+    dataset's). grad_clip: max gradient norm or None, applied to each member's gradient on its
+    own (:func:`clip_groups`): one member's large gradient never shrinks another's step.
     warmup_epochs / warmup_steps: linear warm-up, in epochs or (when set) optimiser steps.
     schedule: constant | cosine after the warm-up. select: last | best (lowest validation loss,
     trainable parameters only). val_every: epochs between validation passes. progress: a bar.
@@ -98,6 +158,7 @@ class Trainer:
         if epochs == 0:
             return {"epochs": 0, "train_s": 0.0, "selected_epoch": 0}
         optimizer = self.optimizer(params=params)
+        groups = clip_groups(method, params) if self.grad_clip is not None else []
         loader = data.loader("train", train=True)
         total = epochs * len(loader)
         # warm-up in optimiser steps when given (LoRA-Ensemble's recipe), else in epochs
@@ -122,7 +183,7 @@ class Trainer:
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 if self.grad_clip is not None:
-                    torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+                    clip_per_member_(groups, self.grad_clip)
                 optimizer.step()
                 scheduler.step()
                 running += loss.item()

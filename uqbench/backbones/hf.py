@@ -20,6 +20,10 @@ from uqbench.backbones.base import Backbone
 
 POOLINGS = ("cls", "pooler", "last", "mean")
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
+# Per model type, the dropout modules whose rate the attention kernel reads (applied only while
+# the attention module trains), for MC-Dropout. LLaMA has none: its rate is the config's float
+# attention_dropout (0 in LLaMA-2).
+ATTENTION_DROPOUTS = {"bert": ("attention.self.dropout",)}
 
 
 def bundled_tokenizer_path() -> Path:
@@ -91,6 +95,9 @@ class HFEncoder(Backbone):
         embedding, so that :meth:`output_rows` can give a classification head the LM's own
         next-token rows (P1's letter scoring on ARC-Easy). The encoder is its base model; the
         LM head itself is not part of the encoder and is not counted in its parameters.
+
+    ``attention_dropouts`` (from the model type, for MC-Dropout): the dropout modules whose rate
+    the attention kernel reads, applied only while the attention module trains.
     """
 
     modality = "text"
@@ -122,6 +129,7 @@ class HFEncoder(Backbone):
         self.causal_lm = bool(causal_lm)
         self.hub_id = hub_id  # only named in the fetch command of the missing-weights error
         self._output_embeddings: torch.Tensor | None = None
+        self.attention_dropouts = ATTENTION_DROPOUTS.get(model_type, ())
 
     def _check_path(self) -> Path:
         auto = "AutoModelForCausalLM" if self.causal_lm else "AutoModel"  # causal: keep lm_head

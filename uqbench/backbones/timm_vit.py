@@ -27,15 +27,25 @@ class TimmViT(Backbone):
     pretrained: load ``checkpoint`` (a .safetensors/.pth/.bin file, or a folder holding
         model.safetensors or pytorch_model.bin, e.g. a Hub snapshot); false = random weights.
     model_kwargs: passed to ``timm.create_model`` (img_size, depth, embed_dim, drop rates …).
+    fused_qkv: suffixes of the layers that compute q, k and v at once (outputs 3·d, in that
+        order): timm's ``attn.qkv``. Methods may give q, k and v their own parameters there.
+
+    For MC-Dropout: ``attention_dropouts`` names the dropout modules whose rate timm's fused
+    attention reads (applied only while the attention module trains), ``feature_dropout`` the
+    dropout timm applies to the pooled features before its (removed) classifier.
     """
 
     modality = "image"
+    attention_dropouts = ("attn_drop",)
+    feature_dropout = "head_drop"
 
     def __init__(self, name: str, model: str, pretrained: bool = True,
                  checkpoint: str | None = None, model_kwargs: Mapping[str, Any] | None = None,
                  targets: Sequence[str] = ("qkv", "proj", "fc1", "fc2"),
-                 attention_targets: Sequence[str] = ("qkv", "proj")) -> None:
+                 attention_targets: Sequence[str] = ("qkv", "proj"),
+                 fused_qkv: Sequence[str] = ("qkv",)) -> None:
         super().__init__(name, targets, attention_targets, pretrained)
+        self.fused_qkv = [str(s) for s in fused_qkv]
         self.model = model
         self.checkpoint = None if checkpoint is None else Path(checkpoint).expanduser()
         self.model_kwargs = dict(model_kwargs or {})

@@ -6,17 +6,38 @@ and then called with the backbone and the data's description::
     method = instantiate(cfg.method)(backbone=backbone, info=data.info)
 
 Classification methods return member logits of shape (M, B, C) from ``forward``; regression
-methods return a :class:`RegressionOutput`. Both know how to compute their training loss.
+methods return a :class:`RegressionOutput`. Both know how to compute their training loss, and
+declare which of their trained parameters belong to which member (:class:`MemberParameters`),
+so that the training loop can clip each member's gradient on its own.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from uqbench.contracts import Batch, DataInfo
+
+
+@dataclass
+class MemberParameters:
+    """Which trained parameters belong to which member: each member's gradient is clipped on
+    its own (one member's large gradient must not shrink the others' steps).
+
+    members: M. stacked: parameters whose dim 0 indexes the members, shape (M, …) (SVE's
+    ``sve_s`` (M, r), LoRA's ``lora_A`` (M, r, in), the heads' (M, C, D)); member m owns the
+    slice [m]. owned: owned[m] lists the parameters member m owns whole (a Deep Ensemble's
+    encoder copy m); empty, or M lists. shared: parameters of no single member (one model's
+    parameters, a head shared by all members): clipped together as one more group.
+    """
+
+    members: int = 1
+    stacked: list[nn.Parameter] = field(default_factory=list)
+    owned: list[list[nn.Parameter]] = field(default_factory=list)
+    shared: list[nn.Parameter] = field(default_factory=list)
 
 
 class Method(nn.Module):
@@ -40,6 +61,10 @@ class Method(nn.Module):
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
         """Name → parameter of everything the method trains, in registration order."""
         return dict(self.named_parameters())
+
+    def member_parameters(self) -> MemberParameters:
+        """The trained parameters by member; by default one model: all of them shared."""
+        return MemberParameters(shared=list(self.trainable_parameters().values()))
 
     def param_counts(self) -> dict[str, int]:
         total = sum(p.numel() for p in self.parameters())

@@ -1,10 +1,20 @@
 """Deep Ensemble: M members, each with its own full backbone weights and head.
 
 Fine-tuned (``finetune: true``, the honest, expensive baseline): M copies of the pretrained
-encoder, all trainable, no weight shared; member diversity comes from the independently
-initialised heads and the stochastic mini-batches. Linear-probed (``finetune: false``): the
-frozen copies would be identical, so ONE frozen encoder is kept and its features feed M heads
-(the parameter counts report exactly that).
+encoder, all trainable, no weight shared. Linear-probed (``finetune: false``): the frozen
+copies would be identical, so ONE frozen encoder is kept and its features feed M heads (the
+parameter counts report exactly that).
+
+What makes the members differ. M independent runs would differ by their head's random init,
+their own dropout masks and their own data order. Trained together, the members see the same
+mini-batches (each still draws its own dropout masks and, normally, its own random head), so
+the head init carries the diversity. Heads that start from a causal LM's answer rows (ARC-Easy
+as next-token scoring) are not random: there every member would be an exact copy of every
+other for the whole run. So those heads are perturbed per member as SVE perturbs the pretrained
+spectrum, W_m = rows ⊙ (1 + σ·ε_m), b_m = σ·N(0, I) with σ = ``sigma_init`` (0 = exact copies,
+only when asked for). Giving each member its own data order instead was not chosen: permuting
+the rows inside the shared batch leaves the mean loss and its gradient unchanged, and drawing a
+batch per member needs M data loaders and M times the data reading.
 
 ``vectorize: true`` runs the M fine-tuned copies as one vmapped call (torch.func:
 stack_module_state + functional_call + vmap) over stacked weights (M, …) instead of a Python
@@ -20,7 +30,8 @@ import torch
 from torch import nn
 
 from uqbench.contracts import DataInfo
-from uqbench.methods.ensemble import EnsembleMethod, Inputs
+from uqbench.methods.base import MemberParameters
+from uqbench.methods.ensemble import EnsembleMethod, Inputs, check_sigma
 
 
 def _key(name: str) -> str:
@@ -32,12 +43,17 @@ class DeepEnsemble(EnsembleMethod):
 
     Parameters of the copies are named ``de_encoders.<m>.…`` (or, vectorised,
     ``de_params.<name with __ for .>`` of shape (M, …)), the heads ``head.…``. Fine-tuned, it
-    trains the copies and the heads; linear-probed, the heads only.
+    trains the copies and the heads; linear-probed, the heads only. sigma_init: σ of the
+    per-member perturbation of heads started from a causal LM's answer rows (0.01, SVE's
+    σ_init; 0 = exact copies); random heads differ anyway and are left as drawn.
     """
 
     def __init__(self, backbone: Any, info: DataInfo, members: int = 4, finetune: bool = True,
-                 vectorize: bool = False, name: str = "deep_ensemble") -> None:
-        super().__init__(backbone, info, members, name)
+                 vectorize: bool = False, sigma_init: float = 0.01,
+                 name: str = "deep_ensemble") -> None:
+        sigma_init = check_sigma(sigma_init)
+        super().__init__(backbone, info, members, name, head_sigma=sigma_init)
+        self.sigma_init = sigma_init
         self.finetune = bool(finetune)
         self.vectorize = bool(vectorize) and self.finetune
         if self.finetune:
@@ -66,6 +82,18 @@ class DeepEnsemble(EnsembleMethod):
             return []
         return [self.de_params] if self.vectorize else [self.de_encoders]
 
+    def member_parameters(self) -> MemberParameters:
+        """The heads (M, …) and, fine-tuned, encoder copy m owned by member m (or, vectorised,
+        the stacked copies (M, …))."""
+        layout = super().member_parameters()
+        if self.finetune and self.vectorize:
+            layout.stacked += list(self.de_params.values())
+            layout.shared = []
+        elif self.finetune:
+            layout.owned = [list(enc.parameters()) for enc in self.de_encoders]
+            layout.shared = []
+        return layout
+
     def _stacked_features(self, inputs: Inputs) -> torch.Tensor:
         from torch.func import functional_call
 
@@ -91,5 +119,5 @@ class DeepEnsemble(EnsembleMethod):
 
     def settings(self) -> dict[str, Any]:
         return super().settings() | {
-            "finetune": self.finetune, "vectorize": self.vectorize,
+            "finetune": self.finetune, "vectorize": self.vectorize, "sigma_init": self.sigma_init,
             "targets": "full backbone" if self.finetune else "heads only"}

@@ -6,7 +6,10 @@ serves both as one batched layer.
 
 A prompt answered by a next token (ARC-Easy with a causal LM) can start every head as the LM
 itself: the head's rows become the LM's output-embedding rows of the answer tokens and its bias
-zero, so that member logits equal the LM's next-token logits of those tokens.
+zero, so that member logits equal the LM's next-token logits of those tokens. Such heads start
+equal, so a method whose members have nothing else to tell them apart (a Deep Ensemble: exact
+encoder copies, the same batches) perturbs each set like SVE perturbs the pretrained spectrum:
+W_m = rows ⊙ (1 + σ·ε_m), b_m = σ·N(0, I), ε_m ~ N(0, I).
 """
 
 from __future__ import annotations
@@ -18,23 +21,40 @@ from typing import Any
 import torch
 from torch import nn
 
+HEAD_INITS = ("default", "p1")
+
+
+def check_head_init(init: str) -> str:
+    """``init`` if it is one of :data:`HEAD_INITS`, else a ValueError naming the choices."""
+    if init not in HEAD_INITS:
+        raise ValueError(f"method.head_init '{init}' is not one of {HEAD_INITS} (default: "
+                         f"nn.Linear's uniform init; p1: weights N(0, 0.01²), zero bias)")
+    return init
+
 
 class EnsembleHead(nn.Module):
     """``sets`` linear classification heads as one batched layer.
 
-    weight (S, C, D), bias (S, C) with S = ``sets``; each set initialised independently like
-    ``nn.Linear``. Input features (G, B, D), one group of rows per member → logits (G, B, C).
-    With S = G group g reads set g; with S = 1 the one set serves any number of groups.
+    weight (S, C, D), bias (S, C) with S = ``sets``; each set initialised independently, by
+    ``init``: ``default`` like ``nn.Linear`` (U(±1/√D) weights and bias), ``p1`` as P1's public
+    code (weights N(0, 0.01²), bias 0). Input features (G, B, D), one group of rows per member
+    → logits (G, B, C). With S = G group g reads set g; with S = 1 the one set serves any
+    number of groups.
     """
 
-    def __init__(self, sets: int, in_features: int, outputs: int) -> None:
+    def __init__(self, sets: int, in_features: int, outputs: int,
+                 init: str = "default") -> None:
         super().__init__()
         self.sets = sets
         self.weight = nn.Parameter(torch.empty(sets, outputs, in_features))
         self.bias = nn.Parameter(torch.empty(sets, outputs))
-        bound = 1 / math.sqrt(in_features)  # nn.Linear's default init, per set
-        nn.init.uniform_(self.weight, -bound, bound)
-        nn.init.uniform_(self.bias, -bound, bound)
+        if check_head_init(init) == "p1":
+            nn.init.normal_(self.weight, 0.0, 0.01)
+            nn.init.zeros_(self.bias)
+        else:
+            bound = 1 / math.sqrt(in_features)  # nn.Linear's default init, per set
+            nn.init.uniform_(self.weight, -bound, bound)
+            nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """features (G, B, D) → logits (G, B, C)."""
@@ -46,11 +66,19 @@ class EnsembleHead(nn.Module):
                                f"groups of rows: expected 1 or {self.sets} groups")
         return torch.einsum("gbd,gcd->gbc", f, self.weight) + self.bias[:, None, :]
 
-    def start_from_rows(self, rows: torch.Tensor) -> None:
-        """Every set's weight := ``rows`` (C, D), bias := 0: each set then computes rows · f."""
+    def start_from_rows(self, rows: torch.Tensor, sigma: float = 0.0) -> None:
+        """Every set's weight := ``rows`` (C, D), bias := 0: each set then computes rows · f.
+
+        sigma > 0: set s instead starts at rows ⊙ (1 + σ·ε_s) with bias σ·N(0, I), ε_s ~ N(0, I)
+        drawn per set (weight noise (S, C, D), then bias noise (S, C)); 0 = exact copies and no
+        random numbers drawn.
+        """
         with torch.no_grad():
             self.weight.copy_(rows.to(self.weight.dtype).expand_as(self.weight))
             self.bias.zero_()
+            if sigma > 0:
+                self.weight.mul_(1 + sigma * torch.randn_like(self.weight))
+                self.bias.add_(sigma * torch.randn_like(self.bias))
 
     def extra_repr(self) -> str:
         S, C, D = self.weight.shape

@@ -4,12 +4,22 @@ The members of its predictive distribution are the T passes: ``members`` = T = `
 and evaluation returns logits (T, B, C). All passes are one model, so they read ONE set of head
 parameters; training runs one pass, logits (1, B, C).
 
-Only ``nn.Dropout`` modules are put in train mode at test time; normalisation layers, timm's
-DropPath and the attention-probability dropout inside fused attention kernels (which follows
-its attention module's mode) stay in eval mode. The T passes run as ONE forward pass: the batch
-is repeated T times in member-major order (sample t = rows t·B:(t+1)·B) and every row draws its
-own dropout mask. ``p`` is set on every ``nn.Dropout`` of the backbone and on a dropout layer
-in front of the head.
+The same dropouts act in training and in the T test passes:
+- Every ``nn.Dropout`` module the forward calls stays in train mode at test time (rate ``p``);
+  normalisation layers and timm's DropPath stay in eval mode.
+- Attention-probability dropout is OFF in both. Fused attention kernels (timm's ``attn_drop``,
+  BERT's attention dropout: ``scaled_dot_product_attention(dropout_p=…)``) read their rate
+  from a dropout module but apply it only while the ATTENTION module is in training mode, so
+  keeping it at test time would mean running attention in training mode. Its rate is set to 0
+  instead (the backbone's ``attention_dropouts``): the T passes then drop exactly what a
+  training pass drops, with any attention kernel (timm builds its ViTs, DINO's included, with
+  attention dropout 0 anyway).
+- ONE dropout in front of the head (ours, rate ``p``, or 0.1 when ``p`` is null): a backbone's
+  own dropout of the pooled features (timm's ``head_drop``, the backbone's ``feature_dropout``)
+  is removed, so features are not dropped twice.
+
+The T passes run as ONE forward pass: the batch is repeated T times in member-major order
+(sample t = rows t·B:(t+1)·B) and every row draws its own dropout mask.
 """
 
 from __future__ import annotations
@@ -20,21 +30,16 @@ import torch
 from torch import nn
 
 from uqbench.contracts import DataInfo
-from uqbench.methods.ensemble import (
-    EnsembleMethod,
-    Inputs,
-    positive_int,
-    repeat_members,
-    split_members,
-)
+from uqbench.methods.ensemble import EnsembleMethod, Inputs, positive_int
+from uqbench.methods.layers import matches, repeat_members, split_members
 
 
 class MCDropout(EnsembleMethod):
     """Training: one pass, logits (1, B, C). Evaluation: T = ``samples`` passes, (T, B, C).
 
-    samples: T. p: dropout probability set on every nn.Dropout (null = keep the backbone's
-    own rates; the head's dropout then uses 0.1). finetune: train the backbone too (default) or
-    only the head.
+    samples: T. p: dropout probability set on every nn.Dropout the forward calls (null = keep
+    the backbone's own rates; the head's dropout then uses 0.1); attention-probability dropout
+    is off. finetune: train the backbone too (default) or only the head.
     """
 
     shared_head = True  # the T passes are samples of one model
@@ -48,7 +53,11 @@ class MCDropout(EnsembleMethod):
         super().__init__(backbone, info, members=samples, name=name)
         self.finetune = bool(finetune)
         self.p = None if p is None else float(p)
-        dropouts = [m for m in self.encoder.modules() if isinstance(m, nn.Dropout)]
+        self.attention_dropouts = self._attention_dropout_off(backbone)
+        self.removed_feature_dropout = self._remove_feature_dropout(backbone)
+        attention = set(self.attention_dropouts)
+        dropouts = [m for n, m in self.encoder.named_modules()
+                    if isinstance(m, nn.Dropout) and n not in attention]
         if self.p is not None:
             for m in dropouts:
                 m.p = self.p
@@ -56,6 +65,27 @@ class MCDropout(EnsembleMethod):
         self.mc_dropout = nn.Dropout(0.1 if self.p is None else self.p)
         self.train_declared()
         self.train()
+
+    def _attention_dropout_off(self, backbone: Any) -> list[str]:
+        """Rate 0 on the backbone's attention-probability dropouts; returns their names."""
+        suffixes = tuple(getattr(backbone, "attention_dropouts", ()) or ())
+        names = [n for n, m in self.encoder.named_modules()
+                 if isinstance(m, nn.Dropout) and any(matches(n, s) for s in suffixes)]
+        for n in names:
+            self.encoder.get_submodule(n).p = 0.0
+        return names
+
+    def _remove_feature_dropout(self, backbone: Any) -> bool:
+        """Replace the backbone's own dropout of the pooled features by nn.Identity: the head's
+        dropout is ours. True if there was one."""
+        name = getattr(backbone, "feature_dropout", None)
+        found = dict(self.encoder.named_modules()).get(name) if name else None
+        if not isinstance(found, nn.Dropout):
+            return False
+        parent, _, child = name.rpartition(".")
+        setattr(self.encoder.get_submodule(parent) if parent else self.encoder, child,
+                nn.Identity())
+        return True
 
     def fine_tuned(self) -> list[nn.Module]:
         return [self.encoder] if self.finetune else []
@@ -83,4 +113,6 @@ class MCDropout(EnsembleMethod):
     def settings(self) -> dict[str, Any]:
         return super().settings() | {
             "samples": self.members, "p": self.p,
-            "finetune": self.finetune, "backbone_dropouts": self.backbone_dropouts}
+            "finetune": self.finetune, "backbone_dropouts": self.backbone_dropouts,
+            "attention_dropouts_off": len(self.attention_dropouts),
+            "removed_feature_dropout": self.removed_feature_dropout}

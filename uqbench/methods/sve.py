@@ -5,6 +5,11 @@ W = U diag(s) Vᵀ (float32 SVD, r = min(out, in)); U and V are frozen and share
 Member m owns singular values s_m (r) and a bias b_m (out), initialised
 s_m = s ⊙ (1 + ε_m), ε_m ~ N(0, σ_init² I), and b_m = b + σ_init·N(0, I) (no bias for bias-free
 layers). With σ_init = 0 every member reproduces the pretrained layer.
+
+Options following P1's public minimal code: ``qkv: fused`` decomposes a fused 3d×d qkv matrix
+(timm ViTs) as one (d singular values), ``split`` decomposes q, k and v apart (3d singular
+values, as P1's text counts and as BERT's separate projections get); ``clamp_singular_values``
+uses max(s_m, 0) in the forward; ``head_init: p1`` starts the heads at N(0, 0.01²), bias 0.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ import torch
 from torch import nn
 
 from uqbench.contracts import Batch, DataInfo
-from uqbench.methods.ensemble import (
-    EnsembleMethod,
+from uqbench.methods.ensemble import EnsembleMethod, check_sigma
+from uqbench.methods.layers import (
     MemberLinear,
+    check_qkv,
+    fused_qkv,
     replace_linears,
     resolve_targets,
     split_members,
@@ -72,23 +79,26 @@ class SVELinear(MemberLinear):
     ``release_pretrained``: drop the wrapped layer's W and b once decomposed (the forward never
     reads them): U and V replace W, so the layer costs (out + in)·r instead of out·in + (out + in)·r
     — for LLaMA-2-7B 20.5 GB instead of 33.7 GB in bf16. ``released`` counts the dropped entries.
+    ``clamp``: the forward uses max(s_m, 0) (P1's public code), so no singular value turns
+    negative however far training moves it.
     """
 
     adapter_names = ("sve_s", "sve_bias")
 
     def __init__(self, base_layer: nn.Linear, members: int, sigma_init: float,
                  forward_mode: str = "auto", cache: Path | None = None, key: str = "",
-                 release_pretrained: bool = False) -> None:
+                 release_pretrained: bool = False, clamp: bool = False) -> None:
         super().__init__(base_layer, members)
         self.forward_mode = forward_mode
+        self.clamp = bool(clamp)
         W = base_layer.weight
-        U, s, V = svd(W, cache, key)
-        self.rank = s.shape[0]
+        U, s, V = self.decompose(W, cache, key)
+        self.rank = s.shape[-1]
         self.register_buffer("sve_U", U.to(W.dtype), persistent=False)
         self.register_buffer("sve_V", V.to(W.dtype), persistent=False)
         self.register_buffer("sve_s0", s.to(W.dtype), persistent=False)
-        eps = torch.randn(members, self.rank, device=W.device) * sigma_init
-        self.sve_s = nn.Parameter(s.float() * (1 + eps))                       # (M, r)
+        eps = torch.randn(members, *s.shape, device=W.device) * sigma_init
+        self.sve_s = nn.Parameter(s.float() * (1 + eps))             # (M, r) or (M, 3, r)
         if base_layer.bias is not None:
             noise = torch.randn(members, self.out_features, device=W.device) * sigma_init
             self.sve_bias = nn.Parameter(base_layer.bias.detach().float() + noise)  # (M, out)
@@ -99,6 +109,16 @@ class SVELinear(MemberLinear):
             self.released = sum(p.numel() for p in base_layer.parameters())
             self.base_layer = None
 
+    def decompose(self, W: torch.Tensor, cache: Path | None, key: str
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """U (out, r), s (r,), V (in, r) of the wrapped weight W (out, in)."""
+        return svd(W, cache, key)
+
+    def singular_values(self, dtype: torch.dtype) -> torch.Tensor:
+        """The members' singular values as the forward uses them, (M, …) in ``dtype``."""
+        s = self.sve_s.clamp_min(0) if self.clamp else self.sve_s
+        return s.to(dtype)
+
     def flops(self, rows: int) -> dict[str, int]:
         """Multiply-adds per member for ``rows`` input rows, in both forms."""
         r, i, o = self.rank, self.in_features, self.out_features
@@ -106,7 +126,7 @@ class SVELinear(MemberLinear):
 
     def member_weights(self) -> torch.Tensor:
         """W_m = U diag(s_m) Vᵀ for all members: (M, out, in)."""
-        s = self.sve_s.to(self.sve_U.dtype)
+        s = self.singular_values(self.sve_U.dtype)
         return (self.sve_U * s[:, None, :]) @ self.sve_V.T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,7 +135,7 @@ class SVELinear(MemberLinear):
         if mode == "auto":
             f = self.flops(xm.shape[1])
             mode = "factorized" if f["factorized"] <= f["materialized"] else "materialized"
-        s = self.sve_s.to(x.dtype)
+        s = self.singular_values(x.dtype)
         if mode == "factorized":
             y = ((xm @ self.sve_V.to(x.dtype)) * s[:, None, :]) @ self.sve_U.to(x.dtype).T
         else:
@@ -126,6 +146,58 @@ class SVELinear(MemberLinear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}, forward_mode={self.forward_mode}"
+
+
+class SplitSVELinear(SVELinear):
+    """SVE on a fused q/k/v layer with q, k and v decomposed apart (``qkv: split``).
+
+    The wrapped weight (3·o, in) holds W_q, W_k, W_v (o × in each) stacked along the outputs;
+    each gets its own float32 SVD W_j = U_j diag(s_j) V_jᵀ, r = min(o, in). Buffers: sve_U
+    (3, o, r), sve_V (3, in, r), sve_s0 (3, r). Parameters: sve_s (M, 3, r), sve_bias (M, 3·o).
+    Input (M·B, …, in) member-major, output (M·B, …, 3·o): member m computes
+        factorised:   y_j = ((x V_j) ⊙ s_mj) U_jᵀ,  y = [y_q, y_k, y_v] + b_m
+        materialised: y = x W_mᵀ + b_m,  W_m = [U_j diag(s_mj) V_jᵀ]_j stacked  (3·o, in)
+    With σ_init = 0 it reproduces the fused layer.
+    """
+
+    splits = 3
+
+    def decompose(self, W: torch.Tensor, cache: Path | None, key: str
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """U (3, o, r), s (3, r), V (3, in, r): one SVD per q, k, v block of W (3·o, in)."""
+        if W.shape[0] % self.splits:
+            raise ValueError(f"method.qkv=split: layer '{key}' has {W.shape[0]} outputs, not "
+                             f"q, k and v of equal width (a multiple of {self.splits}); use "
+                             f"method.qkv=fused or fix backbone.fused_qkv")
+        parts = [svd(w, cache, f"{key}.{j}") for j, w in enumerate(W.chunk(self.splits))]
+        return tuple(torch.stack(f) for f in zip(*parts, strict=True))          # type: ignore
+
+    def flops(self, rows: int) -> dict[str, int]:
+        r, i, o = self.rank, self.in_features, self.out_features // self.splits
+        return {"factorized": self.splits * rows * r * (i + o),
+                "materialized": self.splits * o * r * i + rows * i * self.splits * o}
+
+    def member_weights(self) -> torch.Tensor:
+        """W_m for all members: (M, 3·o, in)."""
+        s = self.singular_values(self.sve_U.dtype)                               # (M, 3, r)
+        W = (self.sve_U * s[:, :, None, :]) @ self.sve_V.transpose(1, 2)        # (M, 3, o, in)
+        return W.flatten(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xm = split_members(x, self.members)                                      # (M, N, in)
+        mode = self.forward_mode
+        if mode == "auto":
+            f = self.flops(xm.shape[1])
+            mode = "factorized" if f["factorized"] <= f["materialized"] else "materialized"
+        if mode == "factorized":
+            s = self.singular_values(x.dtype)                                    # (M, 3, r)
+            h = torch.einsum("mni,jir->mjnr", xm, self.sve_V.to(x.dtype)) * s[:, :, None, :]
+            y = torch.einsum("mjnr,jor->mnjo", h, self.sve_U.to(x.dtype)).flatten(2)
+        else:
+            y = xm @ self.member_weights().to(x.dtype).transpose(1, 2)          # (M, N, 3·o)
+        if self.sve_bias is not None:
+            y = y + self.sve_bias.to(x.dtype)[:, None, :]
+        return y.reshape(*x.shape[:-1], self.out_features)
 
 
 class SVE(EnsembleMethod):
@@ -139,6 +211,9 @@ class SVE(EnsembleMethod):
     svd_cache: folder for the SVD factors (worth it for LLaMA-2-7B's 224 matrices), null = off.
     release_pretrained: drop each wrapped layer's W and b after its SVD (default; they are never
     read again); false keeps them, e.g. to unwrap the model later.
+    qkv: fused | split, how a backbone's fused q/k/v layers (``backbone.fused_qkv``) are
+    decomposed (a no-op on backbones without one). clamp_singular_values: use max(s_m, 0).
+    head_init: default | p1 (N(0, 0.01²) weights, zero bias).
     Trains each wrapped layer's sve_s and sve_bias and the heads.
     """
 
@@ -146,27 +221,31 @@ class SVE(EnsembleMethod):
                  sigma_init: float = 0.01, forward_mode: str = "auto",
                  targets: str | Sequence[str] | None = None, pretrained_decay: float = 0.0,
                  svd_cache: str | None = None, release_pretrained: bool = True,
-                 name: str = "sve") -> None:
-        if float(sigma_init) < 0:
-            raise ValueError(f"method.sigma_init must be >= 0 (P1: 0.01, robust in 0.001–0.1), "
-                             f"got {sigma_init}")
+                 qkv: str = "fused", clamp_singular_values: bool = False,
+                 head_init: str = "default", name: str = "sve") -> None:
+        sigma_init = check_sigma(sigma_init)
+        qkv = check_qkv(qkv)
         if forward_mode not in FORWARD_MODES:
             raise ValueError(f"method.forward_mode '{forward_mode}' is not one of "
                              f"{FORWARD_MODES}")
         if float(pretrained_decay) < 0:
             raise ValueError(f"method.pretrained_decay must be >= 0, got {pretrained_decay}")
         suffixes = resolve_targets(backbone, targets, name)
-        super().__init__(backbone, info, members, name)
-        self.sigma_init = float(sigma_init)
+        super().__init__(backbone, info, members, name, head_init)
+        self.sigma_init = sigma_init
         self.forward_mode = forward_mode
         self.pretrained_decay = float(pretrained_decay)
+        self.qkv, self.clamp = qkv, bool(clamp_singular_values)
+        self.head_init = head_init
         cache = None if svd_cache is None else Path(svd_cache) / backbone.name
+
+        def wrap(n: str, layer: nn.Linear) -> SVELinear:
+            kind = SplitSVELinear if qkv == "split" and fused_qkv(backbone, n) else SVELinear
+            return kind(layer, self.members, self.sigma_init, forward_mode, cache, n,
+                        release_pretrained, self.clamp)
+
         self.targets = suffixes
-        self.replaced = replace_linears(
-            self.encoder, suffixes,
-            lambda n, layer: SVELinear(layer, self.members, self.sigma_init, forward_mode,
-                                       cache, n, release_pretrained),
-            name)
+        self.replaced = replace_linears(self.encoder, suffixes, wrap, name)
         self.release_pretrained = bool(release_pretrained)
         self.released_params = sum(m.released for m in self.layers())
         log.info("%s: wrapped %d linear layers (%s)", name, len(self.replaced), suffixes)
@@ -187,4 +266,6 @@ class SVE(EnsembleMethod):
             "sigma_init": self.sigma_init, "forward_mode": self.forward_mode,
             "targets": ",".join(self.targets), "replaced_layers": len(self.replaced),
             "pretrained_decay": self.pretrained_decay,
-            "release_pretrained": self.release_pretrained}
+            "release_pretrained": self.release_pretrained, "qkv": self.qkv,
+            "split_qkv_layers": sum(isinstance(m, SplitSVELinear) for m in self.layers()),
+            "clamp_singular_values": self.clamp, "head_init": self.head_init}
