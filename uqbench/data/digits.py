@@ -146,8 +146,9 @@ _CORRUPTED: dict[tuple, np.ndarray] = {}  # in-memory cache for the process (one
 def corrupt_images(images: np.ndarray, corruption: str, severity: int, seed: int = 0
                    ) -> np.ndarray:
     """``images`` (N, S, S, 3) uint8 corrupted by ``corruption`` at ``severity`` (1–5) → same
-    shape, uint8. Image i draws from its own seed (seed, corruption, severity, i), so the result
-    does not depend on which other images are corrupted with it; cached in memory."""
+    shape, uint8. Each image draws from its own seed (seed, corruption, severity, a hash of its
+    pixels), so its result does not depend on which other images are corrupted with it; the
+    result is cached in memory."""
     from imagecorruptions import corrupt
     from imagecorruptions import corruptions as library
 
@@ -163,7 +164,8 @@ def corrupt_images(images: np.ndarray, corruption: str, severity: int, seed: int
     out = np.empty_like(images)
     try:
         for i, image in enumerate(images):
-            s = int(np.random.SeedSequence([int(seed), number, int(severity), i])
+            pixels = int.from_bytes(hashlib.blake2b(image.tobytes(), digest_size=8).digest())
+            s = int(np.random.SeedSequence([int(seed), number, int(severity), pixels])
                     .generate_state(1)[0])
             np.random.seed(s)
             kwargs = {"seed": s} if takes_seed else {}
