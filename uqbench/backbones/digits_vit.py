@@ -113,7 +113,7 @@ def verify_checkpoint(weights: Path, sidecar: Path, rebuild: str) -> dict[str, A
     else:
         return meta
     raise CheckpointCorruptError(
-        f"refusing the cached checkpoint {weights}: {problem}. Delete it and rebuild with\n"
+        f"refusing the cached checkpoint {weights}: {problem}. Rebuild it with\n"
         f"  {rebuild} --force")
 
 
@@ -145,7 +145,8 @@ class DigitsViT(TimmViT):
         if self.checkpoint is None or not self.checkpoint.is_file():
             raise FileNotFoundError(
                 f"backbone '{self.name}' has no pretrained checkpoint yet: {self.checkpoint} "
-                f"does not exist. Build it (and the other levels) with\n  {command}\n"
-                f"or `make digits-pretrain` (default cache dir), then run again")
+                f"does not exist. Build it with\n  {command}\n"
+                f"(or every level into the default cache dir: `make digits-pretrain`), "
+                f"then run again")
         verify_checkpoint(self.checkpoint, self.sidecar, command)
         return self.checkpoint

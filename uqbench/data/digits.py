@@ -10,13 +10,14 @@ The ten classes are used twice, never overlapping (all splits stratified by clas
   (``uqbench-pretrain``); the held-out third (301) is the **OOD** split ``ood``, images no
   pretraining ever sees.
 - classes 5–9 (896 images), relabelled 0–4, are the **downstream** task: ``test`` =
-  ``test_fraction`` (0.35: 314), ``val`` = ``val_fraction`` (0.15: 134), ``train`` = the rest
-  (448).
+  ``test_fraction`` (0.35: 314), ``val`` = ``val_fraction`` (0.15: 135), ``train`` = the rest
+  (447).
 
-Images are scaled to 0–255, upsampled bilinearly from 8×8 to ``image_size`` (32: the smallest
-size the ImageNet-C corruptions are designed for, and the digits ViTs' input size, so the
-backbone's resize is the identity) and repeated to 3 channels (uint8 (N, S, S, 3)); then the
-backbone's ``data_config()`` preprocessing (mean/std) is applied like every image dataset's.
+Images are scaled to 0–255, upsampled bilinearly from 8×8 to ``image_size`` and repeated to 3
+channels (uint8 (N, S, S, 3)); then the backbone's ``data_config()`` preprocessing (mean/std) is
+applied like every image dataset's. 32 px: the size of CIFAR-10/100-C, the smallest images the
+corruptions are commonly applied to (the library's parameters are ImageNet's, so they are harsher
+at 32 px), and the digits ViTs' input size, so the backbone's resize is the identity.
 
 Corruption splits ``test_c/<corruption>/<severity>``: the test images corrupted by the
 ``imagecorruptions`` library (Hendrycks & Dietterich's ImageNet-C code), one seed per image,
