@@ -58,3 +58,7 @@ lint: $(STAMP)  ## Lint with ruff
 
 clean-runs:  ## Delete runs/ (asks first)
 	@read -p "Delete everything under runs/? [y/N] " a && [ "$$a" = y ] && rm -rf runs/*/ || echo kept
+
+.PHONY: digits-pretrain
+digits-pretrain: $(STAMP)  ## Pretrain the digits ViTs (weak, strong) into the cache; print each level's linear probe
+	$(BIN)/uqbench-pretrain

@@ -1,0 +1,267 @@
+"""scikit-learn's handwritten digits as a P1 benchmark that needs no download.
+
+``sklearn.datasets.load_digits``: 1,797 grey 8×8 images (intensity 0–16) of the digits 0–9,
+about 180 per class, shipped with scikit-learn.
+
+The ten classes are used twice, never overlapping (all splits stratified by class and seeded by
+``split_seed``, fixed across model seeds):
+
+- classes 0–4 (901 images): two thirds (600) are the **pretraining** images of the digits ViTs
+  (``uqbench-pretrain``); the held-out third (301) is the **OOD** split ``ood``, images no
+  pretraining ever sees.
+- classes 5–9 (896 images), relabelled 0–4, are the **downstream** task: ``test`` =
+  ``test_fraction`` (0.35: 314), ``val`` = ``val_fraction`` (0.15: 135), ``train`` = the rest
+  (447).
+
+Images are scaled to 0–255, upsampled bilinearly from 8×8 to ``image_size`` and repeated to 3
+channels (uint8 (N, S, S, 3)); then the backbone's ``data_config()`` preprocessing (mean/std) is
+applied like every image dataset's. 32 px: the size of CIFAR-10/100-C, the smallest images the
+corruptions are commonly applied to (the library's parameters are ImageNet's, so they are harsher
+at 32 px), and the digits ViTs' input size, so the backbone's resize is the identity.
+
+Corruption splits ``test_c/<corruption>/<severity>``: the test images corrupted by the
+``imagecorruptions`` library (Hendrycks & Dietterich's ImageNet-C code), one seed per image,
+generated once per process and kept in memory. :data:`DEFAULT_CORRUPTIONS` is one corruption of
+each ImageNet-C family, each under 1 ms per 32-px image on one core (glass_blur takes ~27 ms,
+frost ~8 ms, zoom_blur ~3 ms).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset, TensorDataset
+
+from uqbench.data.cifar import resolve_severities
+from uqbench.data.images import ArrayImageDataset, ImageDataModule
+from uqbench.data.layout import SEVERITIES
+
+PRETRAIN_CLASSES = (0, 1, 2, 3, 4)    # pretraining + OOD
+DOWNSTREAM_CLASSES = (5, 6, 7, 8, 9)  # the fine-tuning task, relabelled 0–4
+OOD_FRACTION = 1 / 3                  # of classes 0–4 held out as `ood`
+DEFAULT_CORRUPTIONS = ("gaussian_noise", "defocus_blur", "fog", "contrast")
+
+
+@functools.lru_cache(maxsize=4)
+def digit_images(image_size: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """All 1,797 digits: images (N, S, S, 3) uint8 (S = image_size) and labels (N,) int64."""
+    from sklearn.datasets import load_digits
+
+    if int(image_size) < 8:
+        raise ValueError(f"dataset.image_size must be >= 8 (the digits are 8×8), got {image_size}")
+    digits = load_digits()
+    grey = np.round(digits.images * (255 / 16)).astype(np.uint8)  # (N, 8, 8), 0–16 → 0–255
+    # bilinear: smooth strokes; nearest would make 8-px-aligned blocks the ViT patches see whole
+    big = np.stack([np.asarray(Image.fromarray(g).resize((image_size, image_size),
+                                                          Image.Resampling.BILINEAR))
+                    for g in grey])
+    images = np.repeat(big[..., None], 3, axis=3)
+    images.setflags(write=False)  # shared by every caller of the cache
+    return images, digits.target.astype(np.int64)
+
+
+def check_fractions(val_fraction: float, test_fraction: float) -> None:
+    if not 0 < test_fraction < 1 or not 0 <= val_fraction < 1 - test_fraction:
+        raise ValueError(f"dataset.test_fraction ({test_fraction}) must be in (0, 1) and "
+                         f"dataset.val_fraction ({val_fraction}) in [0, 1 - test_fraction)")
+
+
+def digits_splits(labels: np.ndarray, split_seed: int = 0, val_fraction: float = 0.15,
+                  test_fraction: float = 0.35) -> dict[str, np.ndarray]:
+    """Indices into ``labels`` (N,) of the splits pretrain, ood (classes 0–4) and train, val,
+    test (classes 5–9): sorted, disjoint, each stratified by class."""
+    from sklearn.model_selection import train_test_split
+
+    check_fractions(val_fraction, test_fraction)
+    idx = np.arange(len(labels))
+    up = np.isin(labels, PRETRAIN_CLASSES)
+    pretrain, ood = train_test_split(idx[up], test_size=OOD_FRACTION, stratify=labels[up],
+                                     random_state=split_seed)
+    down = idx[~up]
+    rest, test = train_test_split(down, test_size=test_fraction, stratify=labels[down],
+                                  random_state=split_seed)
+    if val_fraction > 0:
+        train, val = train_test_split(rest, test_size=val_fraction / (1 - test_fraction),
+                                      stratify=labels[rest], random_state=split_seed)
+    else:
+        train, val = rest, rest[:0]
+    return {k: np.sort(v) for k, v in
+            {"pretrain": pretrain, "ood": ood, "train": train, "val": val, "test": test}.items()}
+
+
+def balanced_head(indices: np.ndarray, labels: np.ndarray, n: int | None) -> np.ndarray:
+    """The first ``n`` of ``indices`` taken round-robin over classes (all when n is None)."""
+    if n is None or n >= len(indices):
+        return indices
+    y = labels[indices]
+    rank = np.zeros(len(indices), dtype=np.int64)  # position of each index within its class
+    for c in np.unique(y):
+        rank[y == c] = np.arange((y == c).sum())
+    return np.sort(indices[np.lexsort((y, rank))[:n]])
+
+
+def corruption_names() -> list[str]:
+    """Every corruption the imagecorruptions library implements (the 19 of ImageNet-C)."""
+    try:
+        from imagecorruptions import get_corruption_names
+    except ImportError as err:  # a dependency of uqbench; missing only in a broken install
+        raise RuntimeError(f"the digits corruption splits need the imagecorruptions library "
+                           f"({err}); install it with `pip install imagecorruptions-imaug` "
+                           f"(its OpenCV needs the system's libGL: `apt-get install libgl1`)"
+                           ) from None
+    return list(get_corruption_names("all"))
+
+
+def resolve_corruptions(spec: Any) -> tuple[str, ...]:
+    """``default`` | ``all`` | a list of names | null (none) → corruption names."""
+    if spec is None or spec in ("none", "null", ""):
+        return ()
+    valid = corruption_names()
+    if isinstance(spec, str):
+        if spec == "default":
+            return DEFAULT_CORRUPTIONS
+        if spec == "all":
+            return tuple(valid)
+        spec = [spec]
+    names = [str(c) for c in spec]
+    unknown = [c for c in names if c not in valid]
+    if unknown:
+        raise ValueError(
+            f"unknown corruption(s) {unknown} in dataset.corruptions; valid: 'default' "
+            f"({', '.join(DEFAULT_CORRUPTIONS)}), 'all', null, or a list of: {', '.join(valid)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"dataset.corruptions lists a corruption twice: {names}")
+    return tuple(names)
+
+
+_CORRUPTED: dict[tuple, np.ndarray] = {}  # in-memory cache for the process (one run)
+
+
+def corrupt_images(images: np.ndarray, corruption: str, severity: int, seed: int = 0
+                   ) -> np.ndarray:
+    """``images`` (N, S, S, 3) uint8 corrupted by ``corruption`` at ``severity`` (1–5) → same
+    shape, uint8. Each image draws from its own seed (seed, corruption, severity, a hash of its
+    pixels), so its result does not depend on which other images are corrupted with it; the
+    result is cached in memory."""
+    from imagecorruptions import corrupt
+    from imagecorruptions import corruptions as library
+
+    key = (hashlib.sha1(np.ascontiguousarray(images)).hexdigest(), images.shape, corruption,
+           int(severity), int(seed))
+    if key in _CORRUPTED:
+        return _CORRUPTED[key]
+    number = corruption_names().index(corruption)
+    # Two functions take their own seed (otherwise they draw fresh entropy); the rest use
+    # numpy's global generator, whose state is put back afterwards so training is unaffected.
+    takes_seed = "seed" in inspect.signature(getattr(library, corruption)).parameters
+    state = np.random.get_state()
+    out = np.empty_like(images)
+    try:
+        for i, image in enumerate(images):
+            pixels = int.from_bytes(hashlib.blake2b(image.tobytes(), digest_size=8).digest())
+            s = int(np.random.SeedSequence([int(seed), number, int(severity), pixels])
+                    .generate_state(1)[0])
+            np.random.seed(s)
+            kwargs = {"seed": s} if takes_seed else {}
+            out[i] = np.clip(corrupt(np.array(image), severity=int(severity),
+                                     corruption_name=corruption, **kwargs), 0, 255)
+    finally:
+        np.random.set_state(state)
+    out.setflags(write=False)
+    _CORRUPTED[key] = out
+    return out
+
+
+class DigitsData(ImageDataModule):
+    """The digits benchmark: downstream classes 5–9, OOD = held-out 0–4, corruption splits.
+
+    See the module docstring for the splits. ``max_per_split`` keeps the first n images of each
+    split, balanced over classes (smoke tests). ``augment`` defaults to false: flips and crops
+    change what a digit is.
+    """
+
+    num_classes = len(DOWNSTREAM_CLASSES)
+
+    def __init__(self, name: str = "digits", image_size: int = 32, split_seed: int = 0,
+                 val_fraction: float = 0.15, test_fraction: float = 0.35, ood: bool = True,
+                 corruptions: Any = DEFAULT_CORRUPTIONS, severities: Any = SEVERITIES,
+                 corruption_seed: int = 0, max_per_split: int | None = None,
+                 augment: bool = False, hflip: float = 0.0, crop_pct: float | None = 1.0,
+                 **kwargs: Any) -> None:
+        super().__init__(".", name, augment=augment, hflip=hflip, crop_pct=crop_pct, **kwargs)
+        self.image_size, self.split_seed = int(image_size), int(split_seed)
+        self.val_fraction, self.test_fraction = float(val_fraction), float(test_fraction)
+        check_fractions(self.val_fraction, self.test_fraction)
+        if max_per_split is not None and int(max_per_split) < 1:
+            raise ValueError(f"dataset.max_per_split must be >= 1 or null, got {max_per_split}")
+        self.max_per_split = None if max_per_split is None else int(max_per_split)
+        self.use_ood = bool(ood)
+        self.corruptions = resolve_corruptions(corruptions)
+        self.severities = resolve_severities(severities)
+        self.corruption_seed = int(corruption_seed)
+        self.eval_splits = ("test",) + tuple(
+            f"test_c/{c}/{s}" for c in self.corruptions for s in self.severities)
+        self.ood_splits = ("ood",) if self.use_ood else ()
+
+    def check(self) -> None:
+        if self.corruptions:
+            corruption_names()  # the library imports
+
+    def setup(self, backbone: Any = None) -> None:
+        pretrained_on = getattr(backbone, "pretrain_split_seed", None)
+        if pretrained_on is not None and int(pretrained_on) != self.split_seed:
+            raise ValueError(
+                f"backbone '{backbone.name}' was pretrained on the digits split with "
+                f"split_seed={pretrained_on}, but dataset.split_seed={self.split_seed}: its "
+                f"pretraining images would fall into `ood`. Use the same seed for both "
+                f"(backbone.split_seed and dataset.split_seed)")
+        super().setup(backbone)
+
+    def split_indices(self) -> dict[str, np.ndarray]:
+        """Indices into :func:`digit_images` of every split (after ``max_per_split``)."""
+        _, labels = digit_images(self.image_size)
+        splits = digits_splits(labels, self.split_seed, self.val_fraction, self.test_fraction)
+        return {k: balanced_head(v, labels, self.max_per_split) for k, v in splits.items()}
+
+    def build(self, train_transform: Callable, eval_transform: Callable) -> dict[str, Dataset]:
+        images, labels = digit_images(self.image_size)
+        # downstream labels 5–9 → 0–4; OOD images keep their digit (only predictions are used)
+        targets = np.where(labels >= DOWNSTREAM_CLASSES[0], labels - DOWNSTREAM_CLASSES[0],
+                           labels)
+        idx = self.split_indices()
+        wanted = ("train", "val", "test") + (("ood",) if self.use_ood else ())
+        out: dict[str, Dataset] = {}
+        for split in wanted:
+            if not len(idx[split]):
+                continue
+            if split == "train" and self.augment:  # random transforms: applied per item
+                out[split] = ArrayImageDataset(images, targets, train_transform, idx[split])
+            else:  # fixed preprocessing: applied once, then batches are tensor slices
+                out[split] = _tensors(images[idx[split]], targets[idx[split]], eval_transform)
+        for c in self.corruptions:
+            for s in self.severities:
+                corrupted = corrupt_images(images[idx["test"]], c, s, self.corruption_seed)
+                out[f"test_c/{c}/{s}"] = _tensors(corrupted, targets[idx["test"]],
+                                                  eval_transform)
+        return out
+
+    def settings(self) -> dict[str, Any]:
+        return super().settings() | {
+            "image_size": self.image_size, "split_seed": self.split_seed,
+            "val_fraction": self.val_fraction, "test_fraction": self.test_fraction,
+            "ood": "digits 0-4 held out" if self.use_ood else None,
+            "corruptions": list(self.corruptions), "severities": list(self.severities),
+            "corruption_seed": self.corruption_seed, "max_per_split": self.max_per_split}
+
+
+def _tensors(images: np.ndarray, targets: np.ndarray, transform: Callable) -> TensorDataset:
+    """(N, S, S, 3) uint8 through ``transform`` → TensorDataset((N, 3, H, W) float, (N,))."""
+    x = torch.stack([transform(Image.fromarray(np.asarray(im))) for im in images])
+    return TensorDataset(x, torch.as_tensor(targets, dtype=torch.int64))

@@ -1,0 +1,274 @@
+"""Pretrain the digits ViTs (`uqbench-pretrain`) and measure each level's linear probe.
+
+    uqbench-pretrain                       # every level: random, weak, strong
+    uqbench-pretrain strong --force        # rebuild one level
+    uqbench-pretrain --cache-dir DIR       # default: $UQBENCH_CACHE or .cache/uqbench,
+                                           # the runner's paths.cache_dir
+
+A pretrained level (:data:`~uqbench.backbones.digits_vit.RECIPES`) is trained supervised on the
+600 pretraining images (digits 0–4, :func:`~uqbench.data.digits.digits_splits`; never the
+downstream or OOD images) with a 5-way linear head, which is then dropped: the checkpoint holds
+the encoder only, as the DINO checkpoints do. It is written with its sidecar JSON, then loaded
+back through :class:`~uqbench.backbones.timm_vit.TimmViT` (timm's pretrained loader) for the
+probe. A cached, intact checkpoint is reused without training; a corrupt one is refused.
+
+Backbone quality is the standard linear probe: logistic regression (scikit-learn, standardised
+features) on the frozen features of the downstream train split, accuracy on its test split.
+The random level's probe uses timm's initialisation under seed 0 (no weights are stored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torchvision import transforms as T
+
+from uqbench.backbones.digits_vit import (
+    ARCHITECTURE,
+    LEVELS,
+    MODEL,
+    build_command,
+    checkpoint_paths,
+    pretrain_settings,
+    read_sidecar,
+    sha256_file,
+    verify_checkpoint,
+)
+from uqbench.backbones.timm_vit import TimmViT
+from uqbench.data.digits import (
+    PRETRAIN_CLASSES,
+    DigitsData,
+    balanced_head,
+    digit_images,
+    digits_splits,
+)
+from uqbench.data.images import ArrayImageDataset
+from uqbench.data.transforms import ImagePreprocessing
+
+
+@dataclass
+class Pretrained:
+    """One level in the cache: weights (None for random), sidecar, its content, and whether
+    this call trained it (False: reused from the cache)."""
+
+    level: str
+    weights: Path | None
+    sidecar: Path
+    meta: dict[str, Any]
+    built: bool
+
+
+def _encoder_spec() -> TimmViT:
+    """The architecture with random weights (data_config and building)."""
+    return TimmViT("digits_vit", MODEL, pretrained=False, model_kwargs=ARCHITECTURE)
+
+
+@torch.no_grad()
+def features(encoder: nn.Module, x: torch.Tensor, batch: int = 256) -> np.ndarray:
+    """Frozen features: images (N, 3, H, W) → (N, embed_dim)."""
+    encoder.eval()
+    return torch.cat([encoder(x[i:i + batch]) for i in range(0, len(x), batch)]).numpy()
+
+
+def linear_probe(encoder: nn.Module, split_seed: int = 0, max_images: int | None = None
+                 ) -> dict[str, Any]:
+    """Accuracy of a logistic regression on frozen features, downstream train → test."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    data = DigitsData(split_seed=split_seed, ood=False, corruptions=None,
+                      max_per_split=max_images)
+    data.setup(_encoder_spec())
+    (x_tr, y_tr), (x_te, y_te) = (data.dataset(s).tensors for s in ("train", "test"))
+    probe = make_pipeline(StandardScaler(), LogisticRegression(max_iter=5000))
+    probe.fit(features(encoder, x_tr), y_tr.numpy())
+    acc = float((probe.predict(features(encoder, x_te)) == y_te.numpy()).mean())
+    return {"acc": acc, "n_train": len(y_tr), "n_test": len(y_te),
+            "classifier": "StandardScaler + LogisticRegression(max_iter=5000)"}
+
+
+def _train_transform(preprocessing: ImagePreprocessing, augment: bool) -> Callable:
+    eval_tf = preprocessing.eval_transform()
+    if not augment:
+        return eval_tf
+    # small affine jitter keeps a digit the same digit (no flips, no crops that cut strokes)
+    return T.Compose([T.RandomAffine(degrees=10, translate=(0.1, 0.1), scale=(0.9, 1.1),
+                                     interpolation=T.InterpolationMode.BILINEAR, fill=0),
+                      eval_tf])
+
+
+def train_supervised(recipe: dict[str, Any], split_seed: int = 0,
+                     max_images: int | None = None, log: Callable[[str], None] = print
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Train the ViT with a 5-way head on the pretraining images; return the encoder's state
+    dict (head removed) and facts about the training."""
+    import timm
+
+    torch.manual_seed(int(recipe["seed"]))
+    images, labels = digit_images(ARCHITECTURE["img_size"])
+    idx = balanced_head(digits_splits(labels, split_seed)["pretrain"], labels, max_images)
+    preprocessing = ImagePreprocessing.from_backbone(_encoder_spec(), crop_pct=1.0)
+    dataset = ArrayImageDataset(images, labels, _train_transform(preprocessing,
+                                                                 bool(recipe["augment"])), idx)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=int(recipe["batch_size"]), shuffle=True,
+        generator=torch.Generator().manual_seed(int(recipe["seed"])))
+    model = timm.create_model(MODEL, pretrained=False, num_classes=len(PRETRAIN_CLASSES),
+                              **ARCHITECTURE)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=float(recipe["lr"]),
+                                  weight_decay=float(recipe["weight_decay"]))
+    total = int(recipe["epochs"]) * len(loader)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * min(1.0, s / total))))
+    start, correct, seen = time.perf_counter(), 0, 0
+    model.train()
+    for epoch in range(1, int(recipe["epochs"]) + 1):
+        correct, seen, running = 0, 0, 0.0
+        for x, y in loader:
+            logits = model(x)
+            loss = nn.functional.cross_entropy(logits, y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            running += loss.item() * len(y)
+            correct += int((logits.argmax(1) == y).sum())
+            seen += len(y)
+        if epoch == 1 or epoch % 10 == 0 or epoch == int(recipe["epochs"]):
+            log(f"  epoch {epoch}/{recipe['epochs']}: loss {running / seen:.3f}, "
+                f"train acc {correct / seen:.3f}")
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()
+             if not k.startswith("head.")}
+    return state, {"seconds": round(time.perf_counter() - start, 2), "images": len(idx),
+                   "final_epoch_train_acc": round(correct / max(seen, 1), 4)}
+
+
+def _write_json(path: Path, content: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(content, indent=2) + "\n")
+    tmp.replace(path)  # atomic: a sidecar is either absent or complete
+
+
+@contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Run with ``n`` intra-op threads (None: unchanged), then restore the previous count."""
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(int(n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def pretrain(level: str, cache_dir: str | Path, split_seed: int = 0, force: bool = False,
+             recipe: dict[str, Any] | None = None, max_images: int | None = None,
+             threads: int | None = 1, log: Callable[[str], None] = print) -> Pretrained:
+    """Build ``level`` in ``cache_dir`` (or reuse it when cached and intact).
+
+    recipe: replaces the level's recipe; max_images: pretraining and probe images per split
+    (both for quick checks; both change the fingerprint, so they never shadow a real level).
+    threads: torch threads while training; 1 by default because this model is so small that
+    a second thread only adds synchronisation (a step is ~20× slower with 2 busy cores).
+    """
+    with torch_threads(threads):
+        return _pretrain(level, cache_dir, split_seed, force, recipe, max_images, log)
+
+
+def _pretrain(level: str, cache_dir: str | Path, split_seed: int, force: bool,
+              recipe: dict[str, Any] | None, max_images: int | None,
+              log: Callable[[str], None]) -> Pretrained:
+    settings = pretrain_settings(level, split_seed, recipe)
+    if max_images is not None:
+        settings["max_images"] = int(max_images)
+    weights, sidecar = checkpoint_paths(cache_dir, settings)
+    rebuild = build_command(level, cache_dir, split_seed)
+    if settings["recipe"] is None:  # random: nothing to train; the sidecar holds the probe
+        if not force and (meta := read_sidecar(sidecar)) is not None:
+            return Pretrained(level, None, sidecar, meta, built=False)
+        torch.manual_seed(0)
+        start = time.perf_counter()
+        probe = linear_probe(_encoder_spec().build(), split_seed, max_images)
+        meta = {"level": level, "settings": settings, "probe": probe,
+                "probe_s": round(time.perf_counter() - start, 2)}
+        sidecar.parent.mkdir(parents=True, exist_ok=True)
+        _write_json(sidecar, meta)
+        return Pretrained(level, None, sidecar, meta, built=True)
+    if not force and weights.is_file():
+        return Pretrained(level, weights, sidecar, verify_checkpoint(weights, sidecar, rebuild),
+                          built=False)
+    from safetensors.torch import save_file
+
+    log(f"pretraining digits ViT '{level}' → {weights}")
+    state, facts = train_supervised(settings["recipe"], split_seed, max_images, log)
+    weights.parent.mkdir(parents=True, exist_ok=True)
+    sidecar.unlink(missing_ok=True)  # weights without a sidecar are refused until it is written
+    tmp = weights.with_name(weights.name + ".tmp")
+    save_file(state, str(tmp), metadata={"level": level, "settings": json.dumps(settings)})
+    tmp.replace(weights)
+    loaded = TimmViT(f"digits_vit_{level}", MODEL, pretrained=True, checkpoint=str(weights),
+                     model_kwargs=ARCHITECTURE).build()  # the path the runner takes
+    start = time.perf_counter()
+    probe = linear_probe(loaded, split_seed, max_images)
+    meta = {"level": level, "settings": settings, "weights": weights.name,
+            "bytes": weights.stat().st_size, "sha256": sha256_file(weights),
+            "pretrain": facts, "probe": probe,
+            "probe_s": round(time.perf_counter() - start, 2)}
+    _write_json(sidecar, meta)
+    return Pretrained(level, weights, sidecar, meta, built=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="uqbench-pretrain",
+        description="Pretrain the digits ViTs (backbone=digits_vit_<level>) into the cache, "
+                    "or reuse them, and print each level's linear-probe accuracy.")
+    parser.add_argument("levels", nargs="*", default=list(LEVELS),
+                        help=f"levels to build (default: all): {', '.join(LEVELS)}")
+    parser.add_argument("--cache-dir", default=os.environ.get("UQBENCH_CACHE", ".cache/uqbench"),
+                        help="the runner's paths.cache_dir (default: $UQBENCH_CACHE or "
+                             ".cache/uqbench)")
+    parser.add_argument("--split-seed", type=int, default=0,
+                        help="digits split seed (the runner's dataset.split_seed)")
+    parser.add_argument("--force", action="store_true", help="rebuild even when cached")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads while training (default 1: fastest for this model)")
+    args = parser.parse_args(argv)
+    bad = [lv for lv in args.levels if lv not in LEVELS]
+    if bad:
+        parser.error(f"unknown level(s) {bad}; valid: {', '.join(LEVELS)}")
+    rows = []
+    for level in dict.fromkeys(args.levels):
+        try:
+            result = pretrain(level, args.cache_dir, args.split_seed, force=args.force,
+                              threads=args.threads)
+        except ValueError as err:  # a corrupt cached checkpoint: one clear line, no traceback
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(1)
+        meta = result.meta
+        rows.append((level, "built" if result.built else "cached",
+                     f"{meta['probe']['acc']:.3f}",
+                     f"{meta.get('pretrain', {}).get('seconds', 0.0):.1f}",
+                     str(result.weights or result.sidecar)))
+    header = ("level", "status", "probe acc", "pretrain s", "file")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+
+
+if __name__ == "__main__":
+    main()
