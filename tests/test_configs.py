@@ -126,3 +126,10 @@ def test_the_recipes_batch_size_replaces_the_datasets(compose_cfg, tmp_path):
     results = run(cfg)
     assert results["settings"]["dataset"]["batch_size"] == 32
     assert "batch_size: 32" in (tmp_path / results["run"] / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize("method", options_where("method", "task", "classification"))
+def test_every_classification_method_has_a_p1_recipe(compose_cfg, method):
+    """P1 experiments select trainer=${method}: every ensemble method needs its recipe file."""
+    cfg = compose_cfg(["experiment=p1_flowers102", f"method={method}"])
+    _check_built("trainer", cfg.trainer)

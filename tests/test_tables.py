@@ -198,3 +198,31 @@ def test_a_runs_folder_without_valid_results_says_so_and_writes_nothing(tmp_path
     assert err == [f"warning: skipping {runs / 'a' / 'results.json'}: holds null, not an object",
                    f"no valid results with a table spec under {runs}"]
     assert not list((tmp_path / "tables").glob("*.md"))
+
+
+def test_series_and_faceted_figures_are_drawn_and_checked(runs, capsys, monkeypatch):
+    """A `series` figure draws one line through several keys (the mean over seeds at each),
+    `facet` one row of panels per value; a series whose labels do not match is refused."""
+    spec = {**SPEC, "figures": {"sev": {"series": ["metrics.test/nll", "params.trainable"],
+                                        "labels": [0, 1], "hue": "settings.method.variance",
+                                        "facet": "settings.method.variance"}}}
+    for path in runs.rglob("results.json"):
+        res = json.loads(path.read_text())
+        write(path, {**res, "table": spec})
+    drawn: list[tuple] = []
+
+    def record(self, xs, means, **kwargs):  # every line drawn: (label, xs, means)
+        drawn.append((kwargs.get("label"), list(xs), [round(m, 9) for m in means]))
+
+    monkeypatch.setattr("matplotlib.axes.Axes.errorbar", record)
+    build(runs, capsys)
+    out = runs.parent / "tables"
+    assert (out / "toy_sev.png").is_file() and (out / "toy.png").is_file()
+    # series lines: (0, mean NLL), (1, params) per variance, hand-computed from NLL and PARAMS
+    assert ("embedded", [0, 1], [round(7 / 3, 9), 100.0]) in drawn
+    assert ("learned", [0, 1], [round(0.7, 9), 120.0]) in drawn
+    bad = {**spec, "figures": {"sev": {**spec["figures"]["sev"], "labels": [0]}}}
+    write(runs / "toy" / "embedded" / "seed0" / "results.json",
+          {**result("embedded", 0, 1.0), "table": bad})
+    _, _, warnings = build(runs, capsys)
+    assert any("series and labels" in w for w in warnings)

@@ -231,7 +231,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             "settings": {
                 "dataset": group_settings(cfg.dataset) | data.settings(),
                 "method": group_settings(cfg.method) | method.settings(),
-                "backbone": group_settings(cfg.backbone),
+                "backbone": group_settings(cfg.backbone) | backbone.details(),
                 "task": group_settings(cfg.task),
                 "trainer": {k: v for k, v in group_settings(cfg.trainer).items()
                             if k != "progress"},

@@ -128,19 +128,38 @@ def _check_spec(spec: Any) -> None:
             and isinstance(p.get("values"), dict)
             and all(v is None or _is_number(v) for v in p["values"].values()) for p in paper):
         raise InvalidResults("table.paper is not a list of {row, values: numbers} objects")
-    if spec.get("figure"):
-        _figure_keys(spec["figure"])
+    if spec.get("figures") is not None and not isinstance(spec["figures"], dict):
+        raise InvalidResults("table.figures is not an object {name: figure}")
+    for figure in _figures(spec).values():
+        _figure_keys(figure)
 
 
-def _figure_keys(figure: Any) -> tuple[list[str], str]:
-    """(the x and y keys, which must hold numbers; the hue key), or InvalidResults."""
+def _figures(spec: dict[str, Any]) -> dict[str, Any]:
+    """{file suffix: figure spec}: ``figure`` → <experiment>.png, ``figures: {name: …}`` →
+    <experiment>_<name>.png."""
+    named = {f"_{k}": v for k, v in (spec.get("figures") or {}).items()}
+    return ({"": spec["figure"]} if spec.get("figure") else {}) | named
+
+
+def _figure_keys(figure: Any) -> tuple[list[str], list[str]]:
+    """(the keys that must hold numbers, those that must hold single values), or
+    InvalidResults. A figure draws ``y`` against ``x``, or (``series`` with ``labels``) one
+    line through several keys, e.g. a metric per corruption severity; ``hue`` splits lines,
+    ``facet`` (optional) splits rows of panels."""
     if not isinstance(figure, dict):
         raise InvalidResults(f"table.figure is {_json_type(figure)}, not an object")
-    ys = figure.get("y") if isinstance(figure.get("y"), list) else [figure.get("y")]
-    xy, hue = [figure.get("x"), *ys], figure.get("hue")
-    if not ys or not all(isinstance(k, str) for k in [*xy, hue]):
-        raise InvalidResults("table.figure lacks a string x, y or hue key")
-    return xy, hue
+    if "series" in figure:
+        numbers, labels = figure.get("series"), figure.get("labels")
+        if not isinstance(numbers, list) or not isinstance(labels, list) \
+                or len(labels) != len(numbers) or not numbers:
+            raise InvalidResults("table.figure series and labels are not two lists of one length")
+    else:
+        ys = figure.get("y") if isinstance(figure.get("y"), list) else [figure.get("y")]
+        numbers = [figure.get("x"), *ys]
+    scalars = [figure.get("hue")] + ([figure["facet"]] if "facet" in figure else [])
+    if not all(isinstance(k, str) for k in [*numbers, *scalars]):
+        raise InvalidResults("table.figure lacks a string x, y, series, hue or facet key")
+    return numbers, scalars
 
 
 def check_results(res: Any) -> None:
@@ -164,9 +183,9 @@ def check_values(run: Run, spec: dict[str, Any]) -> None:
     """Every value ``spec`` reads from ``run`` can be averaged (numbers) or grouped (scalars)."""
     numbers = [c["key"] for c in spec["columns"]]
     scalars = [r["key"] for r in spec["rows"]]
-    if spec.get("figure"):
-        xy, hue = _figure_keys(spec["figure"])
-        numbers, scalars = numbers + xy, scalars + [hue]
+    for figure in _figures(spec).values():
+        fig_numbers, fig_scalars = _figure_keys(figure)
+        numbers, scalars = numbers + fig_numbers, scalars + fig_scalars
     for key in numbers:
         value = get_path(run, key)
         if value is not None and not _is_number(value):
@@ -274,34 +293,60 @@ def build_table(runs: list[dict[str, Any]], spec: dict[str, Any]) -> tuple[pd.Da
     return pd.DataFrame(shown), pd.DataFrame(numeric)
 
 
+def _points(runs: list[dict[str, Any]], xs: list[Any], ykeys: list[str]
+            ) -> tuple[list[Any], list[float], list[float]]:
+    """Mean and std over runs at each x (runs without the value are left out)."""
+    kept, means, stds = [], [], []
+    for x, ykey in zip(xs, ykeys, strict=True):
+        values = [get_path(r, ykey) for r in runs if get_path(r, ykey) is not None]
+        if values:
+            kept.append(x)
+            means.append(float(np.mean(values)))
+            stds.append(float(np.std(values)))
+    return kept, means, stds
+
+
 def summary_figure(runs: list[dict[str, Any]], spec: dict[str, Any], path: Path,
                    title: str) -> Path:
-    """Per y key: mean over seeds vs x, one line per hue value (e.g. NLL vs parameters)."""
+    """Mean over seeds (error bars: std, ddof = 0), one line per hue value, one row of panels
+    per facet value: y against x per y key (e.g. NLL vs parameters), or one ``series`` of keys
+    against its ``labels`` (e.g. accuracy per corruption severity)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ys = spec["y"] if isinstance(spec["y"], list) else [spec["y"]]
-    fig, axes = plt.subplots(1, len(ys), figsize=(5 * len(ys), 3.8), squeeze=False)
+    series = spec.get("series")
+    ys = [None] if series else (spec["y"] if isinstance(spec["y"], list) else [spec["y"]])
+    facet = spec.get("facet")
+    facets = sorted({str(get_path(r, facet)) for r in runs}) if facet else [None]
     hues = sorted({str(get_path(r, spec["hue"])) for r in runs})
-    for ax, ykey in zip(axes[0], ys, strict=True):
-        for hue in hues:
-            pts: dict[float, list[float]] = defaultdict(list)
-            for r in runs:
-                # a run without x or y has no point to draw
-                if (str(get_path(r, spec["hue"])) == hue and get_path(r, ykey) is not None
-                        and get_path(r, spec["x"]) is not None):
-                    pts[get_path(r, spec["x"])].append(get_path(r, ykey))
-            xs = sorted(pts)
-            means = [np.mean(pts[x]) for x in xs]
-            stds = [np.std(pts[x]) for x in xs]
-            ax.errorbar(xs, means, yerr=stds, marker="o", ms=4, capsize=2, label=hue)
-        ax.set_xscale(spec.get("xscale", "linear"))
-        ax.set_xlabel(spec["x"].split(".")[-1])
-        ax.set_ylabel(ykey.split(".", 1)[-1])
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    fig, axes = plt.subplots(len(facets), len(ys), figsize=(5 * len(ys), 3.8 * len(facets)),
+                             squeeze=False)
+    for row, facet_value in zip(axes, facets, strict=True):
+        for ax, ykey in zip(row, ys, strict=True):
+            for hue in hues:
+                sub = [r for r in runs if str(get_path(r, spec["hue"])) == hue
+                       and (facet is None or str(get_path(r, facet)) == facet_value)]
+                if series:
+                    xs, means, stds = _points(sub, list(spec["labels"]), list(series))
+                else:  # group by x value, each point the mean over the runs at that x
+                    at = sorted({get_path(r, spec["x"]) for r in sub} - {None})
+                    groups = [[r for r in sub if get_path(r, spec["x"]) == x] for x in at]
+                    pts = [_points(g, [x], [ykey]) for x, g in zip(at, groups, strict=True)]
+                    xs = [x for p in pts for x in p[0]]
+                    means = [m for p in pts for m in p[1]]
+                    stds = [d for p in pts for d in p[2]]
+                if xs:
+                    ax.errorbar(xs, means, yerr=stds, marker="o", ms=4, capsize=2, label=hue)
+            ax.set_xscale(spec.get("xscale", "linear"))
+            ax.set_xlabel(spec.get("xlabel") or (spec["x"].split(".")[-1] if not series
+                                                 else ""))
+            ax.set_ylabel(spec.get("ylabel") or (ykey or "").split(".", 1)[-1])
+            if facet is not None:
+                ax.set_title(f"{facet.split('.')[-1]} = {facet_value}", fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -349,8 +394,8 @@ def write_tables(runs_dir: Path, out_dir: Path, only: str | list[str] | None = N
         (out_dir / f"{exp}.tex").write_text(
             shown.to_latex(index=False, caption=title, label=f"tab:{exp}", escape=True))
         numeric.to_csv(out_dir / f"{exp}.csv", index=False)
-        if spec.get("figure"):
-            summary_figure(runs, spec["figure"], out_dir / f"{exp}.png", title)
+        for suffix, figure in _figures(spec).items():
+            summary_figure(runs, figure, out_dir / f"{exp}{suffix}.png", title)
         written[exp] = out_dir / f"{exp}.md"
     return written
 

@@ -21,6 +21,7 @@ times) where and when it wants (e.g. on the ``meta`` device to count parameters)
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
 
@@ -43,6 +44,11 @@ class Backbone:
     @property
     def feature_dim(self) -> int:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def details(self) -> dict[str, Any]:
+        """Facts about this backbone beyond its config, recorded in results.json under
+        ``settings.backbone`` (e.g. a pretrained level's linear-probe accuracy)."""
+        return {}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

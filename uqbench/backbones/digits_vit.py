@@ -139,6 +139,12 @@ class DigitsViT(TimmViT):
         if not pretrained:  # random weights are not tied to any pretraining split
             self.pretrain_split_seed = None
 
+    def details(self) -> dict[str, Any]:
+        """The level and its linear-probe accuracy on the downstream task (the backbone's
+        quality), from the sidecar ``uqbench-pretrain`` wrote; None where it has not run."""
+        meta = read_sidecar(self.sidecar) or {}
+        return {"level": self.level, "probe_acc": (meta.get("probe") or {}).get("acc")}
+
     def checkpoint_file(self) -> Path:
         """The verified weight file, or an error saying which command builds it."""
         command = build_command(self.level, self.cache_dir, self.settings["split_seed"])

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from uqbench.contracts import Batch, DataInfo
+from uqbench.contracts import Batch
 
 
 @dataclass
@@ -85,12 +85,3 @@ class Method(nn.Module):
         with torch.no_grad():
             for n, t in state.items():
                 params[n].copy_(t)
-
-
-def check_task(method: Method, info: DataInfo) -> None:
-    """Fail before any work if a method cannot serve the dataset's task."""
-    if method.task != info.task:
-        raise ValueError(
-            f"method '{method.name}' solves {method.task} but the dataset is a {info.task} task; "
-            f"choose a {info.task} method (see `uqbench --help` for the method group's options)"
-        )
