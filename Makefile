@@ -68,9 +68,9 @@ DIGITS_SWEEP := skip_existing=true trainer.progress=false hydra/launcher=joblib
 p1-digits-lr: digits-pretrain  ## The digits benchmark's learning-rate grid (validation only); prints the choice
 	$(BIN)/uqbench experiment=p1_digits_lr $(DIGITS_SWEEP)
 	$(BIN)/uqbench experiment=p1_digits_lr method=lora_ensemble \
-		trainer.optimizer.lr=3e-4,1e-3,3e-3 $(DIGITS_SWEEP)
+		trainer.optimizer.lr=3e-4,1e-3,3e-3,1e-2 $(DIGITS_SWEEP)
 	$(BIN)/uqbench experiment=p1_digits_lr method=sve,svf \
-		trainer.optimizer.lr=1e-2,3e-2,1e-1 $(DIGITS_SWEEP)
+		trainer.optimizer.lr=1e-2,3e-2,1e-1,3e-1 $(DIGITS_SWEEP)
 	$(BIN)/python -m uqbench.select p1_digits_lr --metric val/nll
 
 p1-digits: digits-pretrain  ## P1 on real digits: 6 methods x 3 backbone levels x 3 seeds, table and figures
