@@ -117,11 +117,14 @@ def _check_spec(spec: Any) -> None:
         raise InvalidResults(f"table is {_json_type(spec)}, not an object")
     _check_entries(spec.get("rows"), "table.rows")
     _check_entries(spec.get("columns"), "table.columns")
-    for col in spec["columns"]:
+    entries = [("column", c) for c in spec["columns"]]
+    entries += [("row", r) for r in spec["rows"] if "fmt" in r]  # a row's fmt formats numbers
+    for kind, entry in entries:
         try:
-            format(float(col.get("scale", 1)), col.get("fmt", ".4g"))
+            format(float(entry.get("scale", 1)), entry.get("fmt", ".4g"))
         except (TypeError, ValueError) as err:
-            raise InvalidResults(f"table column '{col['title']}' has a bad fmt or scale") from err
+            raise InvalidResults(f"table {kind} '{entry['title']}' has a bad fmt or "
+                                 f"scale") from err
     paper = spec.get("paper") or []
     if not isinstance(paper, list) or not all(
             isinstance(p, dict) and isinstance(p.get("row"), dict)
@@ -272,7 +275,8 @@ def build_table(runs: list[dict[str, Any]], spec: dict[str, Any]) -> tuple[pd.Da
     shown, numeric = [], []
     for key in sorted(groups, key=lambda k: tuple(_sort_key(v) for v in k)):
         members = groups[key]
-        disp = {r["title"]: v for r, v in zip(rows, key, strict=True)}
+        disp = {r["title"]: (format(v, r["fmt"]) if "fmt" in r and _is_number(v) else v)
+                for r, v in zip(rows, key, strict=True)}
         num = dict(disp)
         labels = {r["title"]: str(v) for r, v in zip(rows, key, strict=True)}
         ref = next((p["values"] for p in paper
