@@ -26,3 +26,11 @@ def test_a_learning_rate_sweep_gives_one_folder_per_value(tmp_path):
     found = sorted(p.parent.parent.name for p in base.rglob("results.json"))
     assert found == [f"{sizes},trainer.epochs=1,trainer.optimizer.lr=0.001",
                      f"{sizes},trainer.epochs=1,trainer.optimizer.lr=0.01"]
+    # each sweep keeps its own record: a second sweep does not overwrite the first one's
+    run_cli("-m", "trainer.optimizer.lr=0.01,0.001", "trainer.epochs=1", "trainer.progress=false",
+            "dataset.n_train=100", "dataset.n_val=20", "dataset.n_test=20", "dataset.n_ood=20",
+            "skip_existing=true", f"paths.runs_dir={tmp_path}")
+    records = sorted((tmp_path / ".sweeps").glob("default-*/multirun.yaml"))
+    assert len(records) == 2 and not (tmp_path / "multirun.yaml").exists()
+    assert "skip_existing=true" not in records[0].read_text()
+    assert "skip_existing=true" in records[1].read_text()
