@@ -275,7 +275,8 @@ def build_table(runs: list[dict[str, Any]], spec: dict[str, Any]) -> tuple[pd.Da
     shown, numeric = [], []
     for key in sorted(groups, key=lambda k: tuple(_sort_key(v) for v in k)):
         members = groups[key]
-        disp = {r["title"]: (format(v, r["fmt"]) if "fmt" in r and _is_number(v) else v)
+        disp = {r["title"]: ("–" if v is None else
+                             format(v, r["fmt"]) if "fmt" in r and _is_number(v) else v)
                 for r, v in zip(rows, key, strict=True)}
         num = dict(disp)
         labels = {r["title"]: str(v) for r, v in zip(rows, key, strict=True)}
