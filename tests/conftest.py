@@ -30,3 +30,24 @@ def compose_cfg():
 
     yield _compose
     GlobalHydra.instance().clear()
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    """Compose the real conf/ once per module: ``cfg(*overrides)`` → the composed config."""
+    GlobalHydra.instance().clear()
+    with initialize_config_module("uqbench.conf", version_base="1.3"):
+        yield lambda *overrides: compose("config", overrides=list(overrides))
+    GlobalHydra.instance().clear()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread (and are immune to a busy machine's contention);
+    use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

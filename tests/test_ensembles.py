@@ -10,8 +10,6 @@ import copy
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
-from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from torch import nn
 
@@ -30,25 +28,8 @@ TRAINS = {"sve": ("encoder.", "head."), "svf": ("encoder.", "head."),
           "deep_ensemble_lp": ("head.",), "mc_dropout": ("encoder.", "head."),
           "single": ("encoder.", "head.")}
 OWN = {"sve": "sve_", "svf": "sve_", "lora_ensemble": "lora_"}  # adapter params inside encoder
+pytestmark = pytest.mark.usefixtures("one_thread")
 INFO = DataInfo(task="classification", num_classes=3)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one thread is fastest (and immune to a busy machine's thread contention)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def cfg():
-    """Compose the real conf/ (backbone × method + overrides)."""
-    GlobalHydra.instance().clear()
-    with initialize_config_module("uqbench.conf", version_base="1.3"):
-        yield lambda *overrides: compose("config", overrides=list(overrides))
-    GlobalHydra.instance().clear()
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,6 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra import compose, initialize_config_module
-from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from torch.overrides import TorchFunctionMode
 
@@ -41,14 +39,6 @@ class DropoutRecorder(TorchFunctionMode):
             if p > 0:
                 self.applied.append(("attention", float(p), tuple(args[0].shape[1:])))
         return func(*args, **kwargs)
-
-
-@pytest.fixture(scope="module")
-def cfg():
-    GlobalHydra.instance().clear()
-    with initialize_config_module("uqbench.conf", version_base="1.3"):
-        yield lambda *overrides: compose("config", overrides=list(overrides))
-    GlobalHydra.instance().clear()
 
 
 def inputs_for(backbone: str):

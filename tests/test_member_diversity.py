@@ -14,8 +14,6 @@ import itertools
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
-from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 
 from tests.fixtures.datasets import write_arc_easy
@@ -23,6 +21,7 @@ from uqbench.backbones.hf import bundled_tokenizer_path
 from uqbench.contracts import DataInfo
 from uqbench.data.arc import ARCEasyData
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 FAMILIES = ("tiny_vit", "tiny_bert", "tiny_llama", "llama_arc")
 METHODS = {  # method config → overrides: M = 3 everywhere
     "sve": ["method.members=3"],
@@ -39,22 +38,6 @@ COPIES = [("sve", "llama_arc", ["method.sigma_init=0"]),
           ("deep_ensemble", "llama_arc", ["method.sigma_init=0", "method.vectorize=true"]),
           ("mc_dropout", "tiny_vit", ["method.p=0"]),
           ("mc_dropout", "tiny_bert", ["method.p=0"])]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def cfg():
-    GlobalHydra.instance().clear()
-    with initialize_config_module("uqbench.conf", version_base="1.3"):
-        yield lambda *overrides: compose("config", overrides=list(overrides))
-    GlobalHydra.instance().clear()
 
 
 @pytest.fixture(scope="module")

@@ -24,17 +24,10 @@ PATH = Path(gt.get_model_path())
 TARGETS = ["query", "key", "value", "attention.output.dense", "intermediate.dense",
            "output.dense"]
 ATTENTION = ["query", "key", "value", "attention.output.dense"]
+pytestmark = pytest.mark.usefixtures("one_thread")
 INFO = DataInfo(task="classification", num_classes=2)
 TEXTS = ["A man is playing a guitar on stage.", "The weather is lovely today",
          "uncertainty quantification with singular values", "no"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

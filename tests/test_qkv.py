@@ -12,8 +12,6 @@ import math
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
-from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from torch import nn
 
@@ -22,14 +20,6 @@ from uqbench.methods.lora_ensemble import SplitLoRALinear
 from uqbench.methods.sve import SplitSVELinear, SVELinear
 
 INFO = DataInfo(task="classification", num_classes=3)
-
-
-@pytest.fixture(scope="module")
-def cfg():
-    GlobalHydra.instance().clear()
-    with initialize_config_module("uqbench.conf", version_base="1.3"):
-        yield lambda *overrides: compose("config", overrides=list(overrides))
-    GlobalHydra.instance().clear()
 
 
 def build(cfg, backbone: str, method: str, *overrides: str, reference: bool = False):
