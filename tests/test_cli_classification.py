@@ -153,3 +153,23 @@ def test_data_the_backbone_cannot_take_is_refused_before_training(tmp_path, over
         assert word in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert not list(tmp_path.rglob("results.json"))
+
+
+@pytest.mark.parametrize("content", ["garbage", "other model"])
+def test_a_broken_checkpoint_is_named_not_a_traceback(tmp_path, content):
+    """Garbage bytes or another model's weights in the checkpoint file: one line naming it."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / "weights.safetensors"
+    if content == "garbage":
+        path.write_bytes(b"\x00\xff not a safetensors file" * 10)
+    else:
+        save_file({"weight": torch.zeros(3, 3)}, str(path))
+    proc = run_cli("backbone=tiny_vit", "backbone.pretrained=true",
+                   f"backbone.checkpoint={path}", "dataset=fake_images", "method=single",
+                   f"paths.runs_dir={tmp_path / 'runs'}", *FAST, check=False)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"cannot load the pretrained weights in {path}" in proc.stderr
+    assert "corrupt, truncated or holds another model's weights" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not list((tmp_path / "runs").rglob("results.json"))

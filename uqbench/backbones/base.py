@@ -52,3 +52,28 @@ class Backbone:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+class CheckpointLoadError(ValueError):
+    """Pretrained weights that exist but cannot be loaded (garbage, truncated, another model's)."""
+
+
+# What loading a broken weight file raises: safetensors' and pickle's parse errors, and torch's
+# state-dict mismatch (RuntimeError) for another architecture's weights.
+def load_errors() -> tuple[type[BaseException], ...]:
+    import pickle
+
+    from safetensors import SafetensorError
+
+    return (SafetensorError, pickle.UnpicklingError, EOFError, RuntimeError, KeyError,
+            ValueError, OSError)
+
+
+def checkpoint_error(backbone: str, path: object, err: BaseException,
+                     fix: str) -> CheckpointLoadError:
+    """The error for weights at ``path`` that failed to load, naming the file and the fix."""
+    reason = " ".join(str(err).split())[:300]
+    return CheckpointLoadError(
+        f"backbone '{backbone}': cannot load the pretrained weights in {path} "
+        f"({type(err).__name__}: {reason}). The file is corrupt, truncated or holds another "
+        f"model's weights; {fix}")

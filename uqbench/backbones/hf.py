@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from uqbench.backbones.base import Backbone
+from uqbench.backbones.base import Backbone, checkpoint_error, load_errors
 
 POOLINGS = ("cls", "pooler", "last", "mean")
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
@@ -159,7 +159,15 @@ class HFEncoder(Backbone):
         config = self.hf_config()
         auto = AutoModelForCausalLM if self.causal_lm else AutoModel
         if self.pretrained:
-            model = auto.from_pretrained(self._check_path(), config=config, dtype=self.dtype)
+            path = self._check_path()
+            try:
+                model = auto.from_pretrained(path, config=config, dtype=self.dtype)
+            except load_errors() as err:
+                source = self.hub_id or "its Hub id"
+                raise checkpoint_error(
+                    self.name, path, err, f"save it again from the Hub ({source}; the command "
+                    f"is in the error shown when the folder is missing), or set "
+                    f"backbone.path=<folder>") from err
         else:
             model = auto.from_config(config)
         if self.causal_lm:  # keep the LM's output rows, encode with its base model

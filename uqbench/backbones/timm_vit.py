@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from uqbench.backbones.base import Backbone
+from uqbench.backbones.base import Backbone, checkpoint_error, load_errors
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "open_clip_pytorch_model.bin")
 
@@ -75,11 +75,38 @@ class TimmViT(Backbone):
 
         if self.pretrained:
             # timm's own loader: drops the classifier, resamples position embeddings to img_size.
-            return timm.create_model(self.model, pretrained=True, num_classes=0,
-                                     pretrained_cfg_overlay={"file": str(self.checkpoint_file())},
-                                     **self.model_kwargs)
+            file = self.checkpoint_file()
+            fix = (f"fetch it again for timm model {self.model} (the command is in the error "
+                   f"shown when the file is missing), or set backbone.checkpoint=<file>")
+            state = torch.random.get_rng_state()
+            try:
+                model = timm.create_model(self.model, pretrained=True, num_classes=0,
+                                          pretrained_cfg_overlay={"file": str(file)},
+                                          **self.model_kwargs)
+            except load_errors() as err:
+                raise checkpoint_error(self.name, file, err, fix) from err
+            missing = self._not_loaded(model, state)
+            if missing:  # timm loads non-strictly once the classifier is dropped: check here
+                raise checkpoint_error(self.name, file, KeyError(
+                    f"{len(missing)} weight tensors kept their random init, e.g. "
+                    f"{', '.join(missing[:4])}"), fix)
+            return model
         return timm.create_model(self.model, pretrained=False, num_classes=0,
                                  **self.model_kwargs)
+
+    def _not_loaded(self, model: nn.Module, rng_state: torch.Tensor) -> list[str]:
+        """Names of the randomly initialised tensors that loading left untouched: the same
+        architecture built from the same random state, compared value by value. Tensors whose
+        init is a constant (norm weights, zero biases) cannot tell and are left out."""
+        import timm
+
+        with torch.random.fork_rng(devices=[]):
+            torch.random.set_rng_state(rng_state)
+            fresh = timm.create_model(self.model, pretrained=False, num_classes=0,
+                                      **self.model_kwargs).state_dict()
+        return [name for name, value in model.state_dict().items()
+                if name in fresh and value.numel() > 1 and value.is_floating_point()
+                and fresh[name].std() > 0 and torch.equal(value, fresh[name])]
 
     def _shapes(self) -> nn.Module:
         """The architecture on the meta device (no memory, no weights): sizes and preprocessing."""
