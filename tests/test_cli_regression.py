@@ -105,6 +105,7 @@ def test_existing_results_are_kept_unless_asked(tmp_path):
     ("method.prior_std=nan", ["method.prior_std must be a finite number", "nan"]),
     ("device=tpu", ["device 'tpu'", "auto, cpu, cuda, cuda:<index>, mps"]),
     ("torch_threads=0", ["torch_threads must be >= 1"]),
+    ("paths.runs_dir=", ["paths.runs_dir is empty"]),          # would write at the root
 ])
 def test_bad_input_fails_clearly_and_writes_nothing(tmp_path, override, expected):
     proc = run_cli(*TINY, f"paths.runs_dir={tmp_path}", override, check=False)
@@ -112,6 +113,9 @@ def test_bad_input_fails_clearly_and_writes_nothing(tmp_path, override, expected
     for word in expected:
         assert word in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+    # one format for Hydra's errors (method=nope) and uqbench's
+    assert "error: " in proc.stderr and "HYDRA_FULL_ERROR" not in proc.stderr
+    assert "(set UQBENCH_TRACEBACK=1 for the full traceback)" in proc.stderr
     assert not list(tmp_path.rglob("results.json"))
 
 

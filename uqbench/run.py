@@ -279,7 +279,19 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    _hydra_main()
+    """The ``uqbench`` command. Hydra's own errors (an unknown option, a config that does not
+    resolve) print in the same one-line format as uqbench's: Hydra is asked to raise them."""
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    try:
+        _hydra_main()
+    except Exception as err:
+        if os.environ.get("UQBENCH_TRACEBACK"):
+            raise
+        message = str(err).strip() or type(err).__name__
+        log.error("%s: %s", type(err).__name__, message)
+        print(f"error: {message}\n(set UQBENCH_TRACEBACK=1 for the full traceback)",
+              file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
