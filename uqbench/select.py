@@ -15,6 +15,7 @@ import os
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 from uqbench.tables import get_path, load_results
 
@@ -28,14 +29,12 @@ def choose(runs: list[dict], key: str, metric: str) -> dict[str, dict[str, tuple
         if value is not None and isinstance(score, int | float) and math.isfinite(score):
             name = get_path(run, "settings.method.name") or run.get("method")
             scores[(run.get("backbone"), name, value)].append(float(score))
-    table: dict[str, dict[str, tuple]] = defaultdict(dict)
-    for (backbone, method, value), values in sorted(scores.items(), key=str):
-        table[backbone].setdefault(method, (None, {}))[1][value] = sum(values) / len(values)
-    for methods in table.values():
-        for method, (_, candidates) in methods.items():
-            best = min(candidates, key=candidates.get)
-            methods[method] = (best, candidates)
-    return dict(table)
+    means: dict[str, dict[str, dict[Any, float]]] = defaultdict(lambda: defaultdict(dict))
+    for (backbone, method, value), values in scores.items():
+        means[backbone][method][value] = sum(values) / len(values)
+    return {backbone: {method: (min(candidates, key=candidates.get), dict(candidates))
+                       for method, candidates in methods.items()}
+            for backbone, methods in means.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,9 @@
 """Results → tables (`uqbench-tables`, `make tables`).
 
+(Longer than uqbench's other modules on purpose: it validates every results file it reads —
+they come from any version and any user — and builds the tables and their figures from the same
+validated runs; it imports nothing else of uqbench.)
+
 Scans ``<runs_dir>/**/results.json`` and, for every experiment whose runs carry a ``table`` spec
 (declared in ``conf/experiment/<name>.yaml`` and copied into each results.json), writes
 ``<out>/<experiment>.md``, ``.tex`` and ``.csv``: one row per combination of the row keys, each
