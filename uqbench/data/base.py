@@ -16,6 +16,7 @@ Split kinds, declared by the dataset, tell the runner what to compute on each sp
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -134,3 +135,24 @@ def check_image_size(dataset: str, size: int, backbone: Any) -> None:
             f"dataset.image_size={size} but backbone '{backbone.name}' takes "
             f"{expected[0]}×{expected[1]} px images; set dataset.image_size=null (the backbone's "
             f"size) or build the backbone at {size} px (backbone.model_kwargs.img_size={size})")
+
+
+def resolve_names(spec: Any, presets: dict[str, tuple[str, ...]], valid: Sequence[str],
+                  key: str, what: str = "name") -> tuple[str, ...]:
+    """A config value naming a subset of ``valid``: null (none), a preset's name, one name or a
+    list of names (each once) → the names, or a ValueError listing the presets and the names."""
+    if spec is None or spec in ("none", "null", ""):
+        return ()
+    if isinstance(spec, str):
+        if spec in presets:
+            return presets[spec]
+        spec = [spec]
+    names = [str(c) for c in spec]
+    unknown = [c for c in names if c not in valid]
+    if unknown:
+        choices = ", ".join(f"'{k}' ({len(v)})" for k, v in presets.items())
+        raise ValueError(f"unknown {what}(s) {unknown} in {key}; valid: {choices}, null, or a "
+                         f"list of: {', '.join(valid)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{key} lists a {what} twice: {names}")
+    return tuple(names)

@@ -30,6 +30,7 @@ import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
 
+from uqbench.data.base import resolve_names
 from uqbench.data.images import ArrayImageDataset, ImageDataModule
 from uqbench.data.layout import (
     ALL_CORRUPTIONS,
@@ -74,23 +75,8 @@ def read_cifar(folder: Path, files: Sequence[str], dataset: str
 
 def resolve_corruptions(spec: Any) -> tuple[str, ...]:
     """``standard`` (15) | ``all`` (19) | a list of names | null (none) → corruption names."""
-    if spec is None or spec in ("none", "null", ""):
-        return ()
-    if isinstance(spec, str):
-        if spec == "standard":
-            return STANDARD_CORRUPTIONS
-        if spec == "all":
-            return ALL_CORRUPTIONS
-        spec = [spec]
-    names = [str(c) for c in spec]
-    unknown = [c for c in names if c not in ALL_CORRUPTIONS]
-    if unknown:
-        raise ValueError(
-            f"unknown corruption(s) {unknown}; dataset.corruptions takes 'standard' (the 15 of "
-            f"the benchmark), 'all' (19) or a list of: {', '.join(ALL_CORRUPTIONS)}")
-    if len(set(names)) != len(names):
-        raise ValueError(f"dataset.corruptions lists a corruption twice: {names}")
-    return tuple(names)
+    return resolve_names(spec, {"standard": STANDARD_CORRUPTIONS, "all": ALL_CORRUPTIONS},
+                         ALL_CORRUPTIONS, "dataset.corruptions", "corruption")
 
 
 def resolve_severities(spec: Any) -> tuple[int, ...]:

@@ -39,6 +39,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset, TensorDataset
 
+from uqbench.data.base import resolve_names
 from uqbench.data.cifar import resolve_severities
 from uqbench.data.images import ArrayImageDataset, ImageDataModule
 from uqbench.data.layout import SEVERITIES
@@ -122,23 +123,10 @@ def corruption_names() -> list[str]:
 def resolve_corruptions(spec: Any) -> tuple[str, ...]:
     """``default`` | ``all`` | a list of names | null (none) → corruption names."""
     if spec is None or spec in ("none", "null", ""):
-        return ()
+        return ()  # no library needed to evaluate no corruption
     valid = corruption_names()
-    if isinstance(spec, str):
-        if spec == "default":
-            return DEFAULT_CORRUPTIONS
-        if spec == "all":
-            return tuple(valid)
-        spec = [spec]
-    names = [str(c) for c in spec]
-    unknown = [c for c in names if c not in valid]
-    if unknown:
-        raise ValueError(
-            f"unknown corruption(s) {unknown} in dataset.corruptions; valid: 'default' "
-            f"({', '.join(DEFAULT_CORRUPTIONS)}), 'all', null, or a list of: {', '.join(valid)}")
-    if len(set(names)) != len(names):
-        raise ValueError(f"dataset.corruptions lists a corruption twice: {names}")
-    return tuple(names)
+    return resolve_names(spec, {"default": DEFAULT_CORRUPTIONS, "all": tuple(valid)}, valid,
+                         "dataset.corruptions", "corruption")
 
 
 _CORRUPTED: dict[tuple, np.ndarray] = {}  # in-memory cache for the process (one run)

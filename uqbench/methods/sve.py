@@ -124,6 +124,14 @@ class SVELinear(MemberLinear):
         r, i, o = self.rank, self.in_features, self.out_features
         return {"factorized": rows * r * (i + o), "materialized": o * r * i + rows * i * o}
 
+    def mode(self, rows: int) -> str:
+        """The forward form for ``rows`` input rows per member: forward_mode, or under auto
+        the form with fewer multiply-adds (:meth:`flops`)."""
+        if self.forward_mode != "auto":
+            return self.forward_mode
+        f = self.flops(rows)
+        return "factorized" if f["factorized"] <= f["materialized"] else "materialized"
+
     def member_weights(self) -> torch.Tensor:
         """W_m = U diag(s_m) Vᵀ for all members: (M, out, in)."""
         s = self.singular_values(self.sve_U.dtype)
@@ -131,10 +139,7 @@ class SVELinear(MemberLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xm = split_members(x, self.members)                                      # (M, N, in)
-        mode = self.forward_mode
-        if mode == "auto":
-            f = self.flops(xm.shape[1])
-            mode = "factorized" if f["factorized"] <= f["materialized"] else "materialized"
+        mode = self.mode(xm.shape[1])
         s = self.singular_values(x.dtype)
         if mode == "factorized":
             y = ((xm @ self.sve_V.to(x.dtype)) * s[:, None, :]) @ self.sve_U.to(x.dtype).T
@@ -185,10 +190,7 @@ class SplitSVELinear(SVELinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xm = split_members(x, self.members)                                      # (M, N, in)
-        mode = self.forward_mode
-        if mode == "auto":
-            f = self.flops(xm.shape[1])
-            mode = "factorized" if f["factorized"] <= f["materialized"] else "materialized"
+        mode = self.mode(xm.shape[1])
         if mode == "factorized":
             s = self.singular_values(x.dtype)                                    # (M, 3, r)
             h = torch.einsum("mni,jir->mjnr", xm, self.sve_V.to(x.dtype)) * s[:, :, None, :]
