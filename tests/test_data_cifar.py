@@ -208,3 +208,13 @@ def test_corruption_sets():
     data = CIFAR100Data("unused", corruptions="all", severities=[5], ood=False)
     assert len(data.eval_splits) == 1 + 19
     assert "test_c/saturate/5" in data.eval_splits
+
+
+@pytest.mark.parametrize("content", [b"garbage" * 10, b""])
+def test_a_garbage_or_truncated_pickle_names_the_file(tmp_path, content):
+    write_cifar100(tmp_path, 5, 5)
+    path = tmp_path / "cifar-100-python" / "test"
+    path.write_bytes(content)
+    with pytest.raises(DatasetCorruptError, match=f"{path} is corrupt or truncated.*"
+                                                  f"uqbench-data download cifar100 --force"):
+        CIFAR100Data(tmp_path, ood=False).setup(None)

@@ -166,3 +166,12 @@ def test_arc_bad_rows_and_settings(tmp_path, tokenizer):
         str(tmp_path / "arc_easy"))
     with pytest.raises(DatasetCorruptError, match="'x'.*answerKey 'F'"):
         ARCEasyData(tmp_path).setup(FakeTextBackbone(tokenizer))
+
+
+def test_a_garbage_parquet_names_the_split_and_the_fix(tmp_path, tokenizer):
+    write_sst2(tmp_path, sizes=(10, 4, 3), fmt="parquet")
+    for path in (tmp_path / "sst2").rglob("train-*.parquet"):
+        path.write_bytes(b"not parquet" * 10)
+    with pytest.raises(DatasetCorruptError, match="split 'train' cannot be read.*corrupt.*"
+                                                  "uqbench-data download sst2 --force"):
+        SST2Data(tmp_path).setup(FakeTextBackbone(tokenizer))

@@ -97,7 +97,8 @@ OmegaConf.register_new_resolver("uq.run_subdir", _run_subdir, replace=True)
 OmegaConf.register_new_resolver("uq.run_dir", _run_dir, replace=True)
 
 # Errors that mean "the user's input is wrong": one line on stderr, no traceback.
-USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, RuntimeError)
+USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, PermissionError,
+               RuntimeError)
 
 
 def build(node: DictConfig | dict) -> Any:

@@ -51,8 +51,18 @@ def read_cifar(folder: Path, files: Sequence[str], dataset: str
     images, labels = [], []
     for name in files:
         path = folder / name
-        with open(path, "rb") as f:
-            entry = pickle.load(f, encoding="latin1")
+        try:
+            with open(path, "rb") as f:
+                entry = pickle.load(f, encoding="latin1")
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
+                ImportError, IndexError) as err:  # what unpickling garbage or a cut file raises
+            raise DatasetCorruptError(
+                f"{path} is corrupt or truncated ({type(err).__name__}: {err}); re-fetch with "
+                f"`uqbench-data download {dataset} --force`") from None
+        if not isinstance(entry, dict):
+            raise DatasetCorruptError(
+                f"{path} is not a CIFAR batch (it holds a {type(entry).__name__}); re-fetch "
+                f"with `uqbench-data download {dataset} --force`")
         # The published pickles (Python 2) load with str keys; ones written by Python 3 with
         # bytes keys (b"data", as `pickle.load(f, encoding="bytes")` shows them) are accepted too.
         entry = {k.decode("latin1") if isinstance(k, bytes) else k: v for k, v in entry.items()}

@@ -35,15 +35,22 @@ def read_hf_split(name: str, root: str | Path, split: str, columns: tuple[str, .
     """Rows of one split of a Hugging Face dataset saved under the data root, as dicts."""
     folder = LAYOUTS[name].path(root)
     kind, files = hf_split_files(folder, split)  # presence was checked by require()
-    if kind == "arrow":
-        import datasets
+    import pyarrow as pa
 
-        table = datasets.load_from_disk(str(files[0])).data.table
-    else:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+    try:
+        if kind == "arrow":
+            import datasets
 
-        table = pa.concat_tables([pq.read_table(f) for f in files])
+            table = datasets.load_from_disk(str(files[0])).data.table
+        else:
+            import pyarrow.parquet as pq
+
+            table = pa.concat_tables([pq.read_table(f) for f in files])
+    except (pa.ArrowException, OSError, ValueError) as err:  # garbage or truncated files
+        raise DatasetCorruptError(
+            f"{folder} split '{split}' cannot be read, a file is corrupt or truncated "
+            f"({type(err).__name__}: {err}); re-fetch with "
+            f"`uqbench-data download {name} --force`") from None
     missing = [c for c in columns if c not in table.column_names]
     if missing:
         raise DatasetCorruptError(
