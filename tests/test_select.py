@@ -16,10 +16,18 @@ def test_the_lowest_mean_validation_metric_wins_per_backbone_and_method():
             _run("a", "sve", 0.01, 0, 0.35), _run("a", "sve", 0.01, 1, 0.55),  # mean 0.45
             _run("a", "de", 0.001, 0, 0.2), _run("a", "de", 0.003, 0, float("nan")),
             _run("b", "sve", 0.1, 0, 0.9), _run("b", "sve", 0.01, 0, 0.8)]
-    table = choose(runs, "trainer.optimizer.lr", "val/nll")
-    assert table["a"]["sve"][0] == 0.1 and table["a"]["sve"][1] == {0.1: 0.4, 0.01: 0.45}
-    assert table["a"]["de"] == (0.001, {0.001: 0.2})          # a NaN score is no candidate
-    assert table["b"]["sve"][0] == 0.01
+    table = choose(runs, ["trainer.optimizer.lr"], "val/nll")
+    assert table["a"]["sve"][0] == (0.1,) and table["a"]["sve"][1] == {(0.1,): 0.4,
+                                                                       (0.01,): 0.45}
+    assert table["a"]["de"] == ((0.001,), {(0.001,): 0.2})    # a NaN score is no candidate
+    assert table["b"]["sve"][0] == (0.01,)
+
+
+def test_several_keys_are_chosen_together():
+    runs = [_run("a", "sve", 0.1, 0, 0.5), _run("a", "sve", 0.1, 0, 0.2)]
+    runs[1]["settings"]["trainer"]["decay_to"] = "init"      # the other run leaves it unset
+    table = choose(runs, ["trainer.optimizer.lr", "trainer.decay_to"], "val/nll")
+    assert table["a"]["sve"][0] == (0.1, "init")
 
 
 def test_no_runs_is_a_clear_error(tmp_path, capsys):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -228,3 +229,44 @@ def test_undeclared_or_twice_declared_parameters_are_named():
     method.member_parameters = lambda: MemberParameters(2, stacked=[method.w])
     with pytest.raises(RuntimeError, match=r"shape \(3, 2\), not \(2, …\)"):
         clip_groups(method, [method.w])
+
+
+class _Push(Method):
+    """One parameter w (starting at 2) with loss −w: the gradient is −1 at every step."""
+
+    task = "regression"
+    name = "push"
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.full((1,), 2.0))
+
+    def forward(self, x):
+        return RegressionOutput(self.w.expand_as(x), torch.ones_like(x))
+
+    def loss(self, batch):
+        return -self.w.sum()
+
+
+@pytest.mark.parametrize("decay_to,expected", [
+    # SGD lr 0.1, weight decay 0.5, gradient −1, 4 steps (400 points, batch 100), by hand:
+    # toward init: w ← w + 0.1, then w ← w − 0.1·0.5·(w − 2): the excess over 2 follows
+    #   e ← 0.95·(e + 0.1): 0.095, 0.18525, 0.2709875, 0.352438125
+    ("init", 2.352438125),
+    # toward zero (SGD's own coupled decay): w ← w − 0.1·(−1 + 0.5·w) = 0.95·w + 0.1:
+    #   2.0, 2.0, 2.0, 2.0 (2 is its fixed point)
+    ("zero", 2.0),
+])
+def test_weight_decay_toward_the_initial_values(decay_to, expected):
+    data = PolynomialData(n_train=400, batch_size=100)  # 4 steps per epoch
+    data.setup()
+    method = _Push()
+    trainer = Trainer(optimizer=functools.partial(torch.optim.SGD, lr=0.1, weight_decay=0.5),
+                      epochs=1, decay_to=decay_to, progress=False, val_every=100)
+    trainer.fit(method, data, RegressionTask(), torch.device("cpu"), NullLogger())
+    assert method.w.item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_an_unknown_decay_target_is_named():
+    with pytest.raises(ValueError, match="trainer.decay_to 'pretrained'.*zero.*init"):
+        Trainer(optimizer=torch.optim.SGD, decay_to="pretrained")

@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # types only: the loop takes a built method, data and task fr
 
 SCHEDULES = ("constant", "cosine")
 SELECTIONS = ("last", "best")
+DECAY_TARGETS = ("zero", "init")
 # A gradient group: (parameter, member index into its dim 0, or None for the whole tensor).
 Group = list[tuple[torch.nn.Parameter, int | None]]
 
@@ -100,6 +101,16 @@ def clip_per_member_(groups: list[Group], max_norm: float) -> list[torch.Tensor]
     return norms
 
 
+@torch.no_grad()
+def decay_toward_(optimizer: torch.optim.Optimizer, anchors: list[torch.Tensor],
+                  decay: float) -> None:
+    """p ← p − lr·decay·(p − p₀) for every parameter, at its group's current learning rate;
+    ``anchors`` are the p₀ in the optimiser's parameter order."""
+    params = [(p, group["lr"]) for group in optimizer.param_groups for p in group["params"]]
+    for (p, lr), anchor in zip(params, anchors, strict=True):
+        p.sub_(p - anchor, alpha=lr * decay)
+
+
 class Trainer:
     """Optimisation and model selection, the same for every method.
 
@@ -111,13 +122,18 @@ class Trainer:
     warmup_epochs / warmup_steps: linear warm-up, in epochs or (when set) optimiser steps.
     schedule: constant | cosine after the warm-up. select: last | best (lowest validation loss,
     trainable parameters only). val_every: epochs between validation passes. progress: a bar.
+    decay_to: zero or None (the optimiser's own weight decay, toward 0) | init (decoupled weight
+    decay toward the values training started from — for SVE the pretrained spectrum, for full
+    fine-tuning the pretrained weights: p ← p − lr·wd·(p − p₀) after each step, with the
+    optimiser's ``weight_decay`` as wd and the optimiser itself run without decay).
     """
 
     def __init__(self, optimizer: Callable[..., torch.optim.Optimizer], epochs: int = 300,
                  batch_size: int | None = None, grad_clip: float | None = None,
                  warmup_epochs: int = 0, warmup_steps: int | None = None,
                  schedule: str = "constant",
-                 select: str = "last", val_every: int = 10, progress: bool = True) -> None:
+                 select: str = "last", val_every: int = 10, progress: bool = True,
+                 decay_to: str | None = None) -> None:
         if int(epochs) < 0:
             raise ValueError(f"trainer.epochs must be >= 0, got {epochs}")
         if schedule not in SCHEDULES:
@@ -130,6 +146,9 @@ class Trainer:
             raise ValueError(f"trainer.warmup_steps must be >= 0 or null, got {warmup_steps}")
         if batch_size is not None and int(batch_size) < 1:
             raise ValueError(f"trainer.batch_size must be >= 1 or null, got {batch_size}")
+        decay_to = decay_to or "zero"  # null: the optimiser's own decay
+        if decay_to not in DECAY_TARGETS:
+            raise ValueError(f"trainer.decay_to '{decay_to}' is not one of {DECAY_TARGETS}")
         if not callable(optimizer):
             raise ValueError(f"trainer.optimizer must build an optimiser (a Hydra `_partial_` "
                              f"config such as torch.optim.AdamW), got {optimizer!r}")
@@ -140,6 +159,7 @@ class Trainer:
         self.warmup_steps = None if warmup_steps is None else int(warmup_steps)
         self.schedule, self.select = schedule, select
         self.val_every, self.progress = int(val_every), bool(progress)
+        self.decay_to = decay_to
 
     @property
     def updates_weights(self) -> bool:
@@ -157,7 +177,13 @@ class Trainer:
         epochs = self.epochs
         if epochs == 0:
             return {"epochs": 0, "train_s": 0.0, "selected_epoch": 0}
-        optimizer = self.optimizer(params=params)
+        anchors: list[torch.Tensor] = []
+        if self.decay_to == "init":  # the optimiser runs without decay; we decay toward p₀
+            decay = float(getattr(self.optimizer, "keywords", {}).get("weight_decay") or 0.0)
+            optimizer = self.optimizer(params=params, weight_decay=0.0)
+            anchors = [p.detach().clone() for p in params] if decay else []
+        else:
+            optimizer = self.optimizer(params=params)
         groups = clip_groups(method, params) if self.grad_clip is not None else []
         loader = data.loader("train", train=True)
         total = epochs * len(loader)
@@ -185,6 +211,8 @@ class Trainer:
                 if self.grad_clip is not None:
                     clip_per_member_(groups, self.grad_clip)
                 optimizer.step()
+                if anchors:
+                    decay_toward_(optimizer, anchors, decay)
                 scheduler.step()
                 running += loss.item()
                 n += 1
