@@ -19,3 +19,26 @@ def run_cli(*args: str, cwd: Path = ROOT, check: bool = True) -> subprocess.Comp
         raise AssertionError(f"uqbench {' '.join(args)} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
+
+
+def build_method(cfg, backbone: str, method: str, *overrides: str, reference: bool = False,
+                 info=None):
+    """(method, reference encoder or None) from the real configs, on 3 classes by default;
+    with reference=True the method's encoder is a deep copy of an independently built model
+    in eval mode (dropout off), returned as the reference."""
+    import copy
+
+    import torch
+    from hydra.utils import instantiate
+
+    from uqbench.contracts import DataInfo
+
+    c = cfg(f"backbone={backbone}", f"method={method}", *overrides)
+    bb = instantiate(c.backbone)
+    ref = None
+    if reference:
+        ref = bb.build().eval()
+        bb.build = lambda: copy.deepcopy(ref)
+    torch.manual_seed(0)
+    info = info or DataInfo(task="classification", num_classes=3)
+    return instantiate(c.method)(backbone=bb, info=info), ref

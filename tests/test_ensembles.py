@@ -6,13 +6,12 @@ is a deep copy of it), never from the method's own code path.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from hydra.utils import instantiate
 from torch import nn
 
+from tests.helpers import build_method as build
 from uqbench.backbones.hf import bundled_tokenizer_path, last_token_index
 from uqbench.contracts import DataInfo
 from uqbench.methods.layers import repeat_members, replace_linears
@@ -46,19 +45,6 @@ def inputs_for(backbone: str, text_batch, batch: int = 5):
     if backbone == "tiny_vit":
         return torch.randn(batch, 3, 16, 16, generator=torch.Generator().manual_seed(3))
     return {k: v[:batch] for k, v in text_batch.items()}
-
-
-def build(cfg, backbone: str, method: str, *overrides: str, reference: bool = False):
-    """(method, reference encoder or None); with reference=True the method's encoder is a deep
-    copy of an independently built model with dropout off."""
-    c = cfg(f"backbone={backbone}", f"method={method}", *overrides)
-    bb = instantiate(c.backbone)
-    ref = None
-    if reference:
-        ref = bb.build().eval()
-        bb.build = lambda: copy.deepcopy(ref)
-    torch.manual_seed(0)
-    return instantiate(c.method)(backbone=bb, info=INFO), ref
 
 
 # --- initialisation ---------------------------------------------------------------------------

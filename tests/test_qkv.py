@@ -15,22 +15,12 @@ import torch
 from hydra.utils import instantiate
 from torch import nn
 
+from tests.helpers import build_method as build
 from uqbench.contracts import DataInfo
 from uqbench.methods.lora_ensemble import SplitLoRALinear
 from uqbench.methods.sve import SplitSVELinear, SVELinear
 
 INFO = DataInfo(task="classification", num_classes=3)
-
-
-def build(cfg, backbone: str, method: str, *overrides: str, reference: bool = False):
-    c = cfg(f"backbone={backbone}", f"method={method}", *overrides)
-    bb = instantiate(c.backbone)
-    ref = None
-    if reference:
-        ref = bb.build().eval()
-        bb.build = lambda: copy.deepcopy(ref)
-    torch.manual_seed(0)
-    return instantiate(c.method)(backbone=bb, info=INFO), ref
 
 
 # --- the layers -------------------------------------------------------------------------------
