@@ -34,3 +34,16 @@ def test_a_learning_rate_sweep_gives_one_folder_per_value(tmp_path):
     assert len(records) == 2 and not (tmp_path / "multirun.yaml").exists()
     assert "skip_existing=true" not in records[0].read_text()
     assert "skip_existing=true" in records[1].read_text()
+
+
+def test_the_engine_layout_is_bookkeeping_for_both_the_folder_and_the_identity():
+    from uqbench import configs, runfolder
+
+    assert configs.ENGINE_LAYOUT == runfolder.ENGINE_LAYOUT
+    stored = {"trainer": {"epochs": 3, "optimizer": {"lr": 0.1}}}  # stored before precision
+    requested = {"trainer": {"epochs": 3, "optimizer": {"lr": 0.1}, "precision": "32",
+                             "devices": 4, "strategy": "ddp", "accumulate": 2}}
+    assert runfolder.differences(stored, requested) == []
+    requested["trainer"]["precision"] = "bf16-mixed"
+    assert runfolder.differences(stored, requested) == [
+        "trainer.precision: '<absent>' (stored) → 'bf16-mixed' (requested)"]

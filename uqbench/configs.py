@@ -23,7 +23,12 @@ from omegaconf import DictConfig, OmegaConf
 BOOKKEEPING = {"seed", "run_name", "experiment", "experiment_name", "skip_existing",
                "overwrite", "save_predictions", "plot", "device", "torch_threads", "method",
                "backbone", "dataset"}
-BOOKKEEPING_PREFIXES = ("paths", "logger", "hydra", "trainer.progress")
+# The engine's layout (how many processes, micro-batches, checkpoints) lays the same
+# computation out on other hardware: a run resumed on another GPU count keeps its folder.
+ENGINE_LAYOUT = ("strategy", "devices", "num_nodes", "accumulate", "activation_checkpointing",
+                 "checkpoint_every", "keep_checkpoint", "progress")
+BOOKKEEPING_PREFIXES = ("paths", "logger", "hydra", "resume",
+                        *(f"trainer.{k}" for k in ENGINE_LAYOUT))
 
 
 def _name_fields(root: DictConfig) -> set[str]:

@@ -38,28 +38,45 @@ def split_group_means(metrics: dict[str, float], splits: list[str]) -> dict[str,
 
 def evaluate(method: torch.nn.Module, data: Any, task: Any, device: torch.device
              ) -> tuple[dict[str, float], dict[str, dict[str, np.ndarray]], dict | None]:
-    """Metrics, predictions and post-hoc calibration of every split the dataset declares.
+    """Metrics, predictions and post-hoc calibration of every split the dataset declares
+    (:func:`predict_splits`, then :func:`score`)."""
+    predictions = predict_splits(method, data, task, device)
+    metrics, calibration = score(predictions, task, data.eval_splits, data.ood_splits)
+    return metrics, predictions, calibration
+
+
+def predict_splits(method: torch.nn.Module, data: Any, task: Any, device: torch.device
+                   ) -> dict[str, dict[str, np.ndarray]]:
+    """The task's predictions on every split the dataset declares, in a fixed order (eval, OOD,
+    val) so that stochastic methods draw the same random numbers as before the validation pass
+    existed."""
+    val = ["val"] if data.has_val else []
+    return {split: task.predict(method, data.loader(split), device)
+            for split in [*data.eval_splits, *data.ood_splits, *val]}
+
+
+def score(predictions: dict[str, dict[str, np.ndarray]], task: Any,
+          eval_splits: list[str] | tuple[str, ...], ood_splits: list[str] | tuple[str, ...]
+          ) -> tuple[dict[str, float], dict | None]:
+    """Metrics and post-hoc calibration from predictions alone (no model needed, so saved
+    predictions of separately trained members can be scored as one ensemble).
 
     eval_splits get the task's standard metrics; ood_splits get its OOD metrics against the
-    test predictions; the validation split (where the dataset has one) is scored too and fits
-    the task's post-hoc calibration (classification: temperature scaling), whose metrics are
-    reported beside the raw ones (``<split>/ts/<metric>``). Splits sharing a prefix are also
-    averaged (test_c/mean/<metric>). Predictions run in a fixed order (eval, OOD, val) so that
-    stochastic methods draw the same random numbers as before the validation pass existed.
+    test predictions; the validation split (where present) is scored too and fits the task's
+    post-hoc calibration (classification: temperature scaling), whose metrics are reported
+    beside the raw ones (``<split>/ts/<metric>``). Splits sharing a prefix are also averaged
+    (test_c/mean/<metric>).
     """
-    predictions: dict[str, dict[str, np.ndarray]] = {}
-    val = ["val"] if data.has_val else []
-    for split in [*data.eval_splits, *data.ood_splits, *val]:
-        predictions[split] = task.predict(method, data.loader(split), device)
+    val = ["val"] if "val" in predictions else []
     calibration = task.calibrate(predictions["val"]) if val else None
     metrics: dict[str, float] = {}
-    for split in [*data.eval_splits, *val]:
+    for split in [*eval_splits, *val]:
         metrics.update(task.metrics(split, predictions[split], calibration))
-    for split in data.ood_splits:
+    for split in ood_splits:
         metrics.update(task.ood_metrics(split, predictions.get("test", {}), predictions[split],
                                         calibration))
-    metrics.update(split_group_means(metrics, list(data.eval_splits)))
-    return metrics, predictions, calibration
+    metrics.update(split_group_means(metrics, list(eval_splits)))
+    return metrics, calibration
 
 
 def forward_cost(method: torch.nn.Module, data: Any, device: torch.device) -> dict[str, Any]:

@@ -32,7 +32,13 @@ import yaml
 PUBLISHED = ("config.yaml", "results.json", "predictions", "figure.png")
 # Keys of the resolved config that cannot change a result (where and how a run is kept/shown).
 BOOKKEEPING = ("paths", "skip_existing", "overwrite", "save_predictions", "plot", "device",
-               "torch_threads", "logger", "run_dir", "run_subdir", "run_name", "hydra", "table")
+               "torch_threads", "logger", "run_dir", "run_subdir", "run_name", "hydra", "table",
+               "resume")
+# The engine's layout: the same computation on other hardware (uqbench.configs.ENGINE_LAYOUT).
+ENGINE_LAYOUT = ("strategy", "devices", "num_nodes", "accumulate", "activation_checkpointing",
+                 "checkpoint_every", "keep_checkpoint", "progress")
+# Keys added to the config since runs were first stored, with the value the older runs used.
+ADDED_KEYS = {"trainer.precision": "32"}
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 
 
@@ -181,8 +187,8 @@ def identity(config: dict[str, Any]) -> dict[str, Any]:
         if isinstance(node, dict):
             for k, v in node.items():
                 if ((not prefix and k in BOOKKEEPING) or str(k).startswith("_")
-                        or (prefix == "trainer." and k == "progress")):
-                    continue  # bookkeeping, Hydra's instantiation keys, the progress bar
+                        or (prefix == "trainer." and k in ENGINE_LAYOUT)):
+                    continue  # bookkeeping, Hydra's instantiation keys, the engine's layout
                 walk(v, f"{prefix}{k}.")
         else:
             flat[prefix[:-1]] = node
@@ -194,8 +200,12 @@ def identity(config: dict[str, Any]) -> dict[str, Any]:
 def differences(stored: dict[str, Any], requested: dict[str, Any], limit: int = 8) -> list[str]:
     """``key: stored → requested`` for each identity key that differs."""
     a, b = identity(stored), identity(requested)
-    # a key one side lacks counts as null: a newer config may add options that default to null
-    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    # a key one side lacks counts as null, or as the value that reproduces the runs stored
+    # before the key existed: a newer config may add options
+    def value(flat: dict[str, Any], key: str) -> Any:
+        return flat.get(key, ADDED_KEYS.get(key))
+
+    keys = sorted(k for k in set(a) | set(b) if value(a, k) != value(b, k))
     lines = [f"{k}: {a.get(k, '<absent>')!r} (stored) → {b.get(k, '<absent>')!r} (requested)"
              for k in keys[:limit]]
     return lines + ([f"… and {len(keys) - limit} more"] if len(keys) > limit else [])

@@ -26,6 +26,9 @@ if TYPE_CHECKING:  # types only: the loop takes a built method, data and task fr
 SCHEDULES = ("constant", "cosine")
 SELECTIONS = ("last", "best")
 DECAY_TARGETS = ("zero", "init")
+PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true")
+STRATEGIES = ("auto", "ddp", "fsdp")
+KEEP_CHECKPOINT = ("trainable", "full", "none")
 # A gradient group: (parameter, member index into its dim 0, or None for the whole tensor).
 Group = list[tuple[torch.nn.Parameter, int | None]]
 
@@ -133,7 +136,10 @@ class Trainer:
                  warmup_epochs: int = 0, warmup_steps: int | None = None,
                  schedule: str = "constant",
                  select: str = "last", val_every: int = 10, progress: bool = True,
-                 decay_to: str | None = None) -> None:
+                 decay_to: str | None = None, precision: str | int = "32",
+                 strategy: str = "auto", devices: int = 1, num_nodes: int = 1,
+                 accumulate: int = 1, activation_checkpointing: bool = False,
+                 checkpoint_every: int | None = 500, keep_checkpoint: str = "trainable") -> None:
         if int(epochs) < 0:
             raise ValueError(f"trainer.epochs must be >= 0, got {epochs}")
         if schedule not in SCHEDULES:
@@ -160,6 +166,32 @@ class Trainer:
         self.schedule, self.select = schedule, select
         self.val_every, self.progress = int(val_every), bool(progress)
         self.decay_to = decay_to
+        precision = str(precision)
+        if precision not in PRECISIONS:
+            raise ValueError(f"trainer.precision '{precision}' is not one of {PRECISIONS}")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"trainer.strategy '{strategy}' is not one of {STRATEGIES}")
+        for key, value in (("devices", devices), ("num_nodes", num_nodes),
+                           ("accumulate", accumulate)):
+            if int(value) < 1:
+                raise ValueError(f"trainer.{key} must be >= 1, got {value}")
+        if checkpoint_every is not None and int(checkpoint_every) < 1:
+            raise ValueError(f"trainer.checkpoint_every must be >= 1 (optimiser steps) or null "
+                             f"(epoch ends only), got {checkpoint_every}")
+        if keep_checkpoint not in KEEP_CHECKPOINT:
+            raise ValueError(f"trainer.keep_checkpoint '{keep_checkpoint}' is not one of "
+                             f"{KEEP_CHECKPOINT}")
+        self.precision, self.strategy = precision, strategy
+        self.devices, self.num_nodes = int(devices), int(num_nodes)
+        self.accumulate = int(accumulate)
+        self.activation_checkpointing = bool(activation_checkpointing)
+        self.checkpoint_every = None if checkpoint_every is None else int(checkpoint_every)
+        self.keep_checkpoint = keep_checkpoint
+
+    @property
+    def world_size(self) -> int:
+        """Processes that share one optimiser step (devices × nodes)."""
+        return self.devices * self.num_nodes
 
     @property
     def updates_weights(self) -> bool:
