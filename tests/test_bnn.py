@@ -97,7 +97,7 @@ def _trained(variance: str) -> tuple[BayesianMLP, PolynomialData]:
                             "progress": False,
                             "optimizer": {"_target_": "torch.optim.Adam", "_partial_": True,
                                           "lr": 1e-2}})
-    instantiate(cfg).fit(method, data, RegressionTask(), torch.device("cpu"), NullLogger())
+    instantiate(cfg).fit(method, data, RegressionTask(), NullLogger())
     return method, data
 
 
@@ -167,7 +167,7 @@ def test_nan_loss_names_epoch_and_step():
                             "optimizer": {"_target_": "torch.optim.SGD", "_partial_": True,
                                           "lr": 0.1}})
     with pytest.raises(NonFiniteLossError, match="epoch 2, step 3"):
-        instantiate(cfg).fit(_NaNAt(2, 3), data, RegressionTask(), torch.device("cpu"),
+        instantiate(cfg).fit(_NaNAt(2, 3), data, RegressionTask(),
                              NullLogger())
 
 

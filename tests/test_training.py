@@ -63,7 +63,7 @@ def test_warmup_steps_override_warmup_epochs(monkeypatch):
                             "val_every": 100, "progress": False,
                             "optimizer": {"_target_": "torch.optim.SGD", "_partial_": True,
                                           "lr": 1.0}})
-    instantiate(cfg).fit(method, data, RegressionTask(), torch.device("cpu"), NullLogger())
+    instantiate(cfg).fit(method, data, RegressionTask(), NullLogger())
     assert seen == pytest.approx([0.25, 0.5, 0.75, 1.0] + [1.0] * 8)
 
 
@@ -207,7 +207,7 @@ def test_trainer_fit_clips_per_member():
     method = _Stacked()
     Trainer(optimizer=lambda params: torch.optim.SGD(params, lr=1.0), epochs=1, grad_clip=1.0,
             val_every=100, progress=False).fit(method, data, RegressionTask(),
-                                               torch.device("cpu"), NullLogger())
+                                               NullLogger())
     unit = torch.tensor([0.6, 0.8])
     expected = torch.stack([-unit * 5 / (5 + 1e-6), -unit * 5000 / (5000 + 1e-6),
                             -unit * 0.05])
@@ -263,7 +263,7 @@ def test_weight_decay_toward_the_initial_values(decay_to, expected):
     method = _Push()
     trainer = Trainer(optimizer=functools.partial(torch.optim.SGD, lr=0.1, weight_decay=0.5),
                       epochs=1, decay_to=decay_to, progress=False, val_every=100)
-    trainer.fit(method, data, RegressionTask(), torch.device("cpu"), NullLogger())
+    trainer.fit(method, data, RegressionTask(), NullLogger())
     assert method.w.item() == pytest.approx(expected, abs=1e-6)
 
 

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 # Overrides that cannot change a run's result, or that its path already shows.
 BOOKKEEPING = {"seed", "run_name", "experiment", "experiment_name", "skip_existing",
                "overwrite", "save_predictions", "plot", "device", "torch_threads", "method",
-               "backbone", "dataset"}
+               "backbone", "dataset", "eval_run"}
 # The engine's layout (how many processes, micro-batches, checkpoints) lays the same
 # computation out on other hardware: a run resumed on another GPU count keeps its folder.
 ENGINE_LAYOUT = ("strategy", "devices", "num_nodes", "accumulate", "activation_checkpointing",
@@ -53,6 +53,8 @@ def identity_overrides(overrides: list[str], root: DictConfig) -> list[str]:
     for override in overrides:
         key = override.split("=", 1)[0].lstrip("+~")
         head = key.replace("/", ".").split(".")[0]  # hydra/launcher=joblib → hydra
+        if override.lstrip("+") == "job=eval":
+            continue  # scoring names the run it scores; it has no folder of its own
         if (key in BOOKKEEPING or key in shown or key.endswith(".name") or head == "hydra"
                 or any(key == p or key.startswith(p + ".") for p in BOOKKEEPING_PREFIXES)):
             continue

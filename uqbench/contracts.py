@@ -58,3 +58,30 @@ def to_device(inputs: Any, device: torch.device) -> Any:
     if isinstance(inputs, (list, tuple)):
         return type(inputs)(to_device(v, device) for v in inputs)
     return inputs
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This process's share of each optimiser step's batch: the step's ``n`` examples are cut
+    into ``world × parts`` contiguous micro-batches (sizes differing by at most one), and
+    process ``rank`` takes parts ``rank·parts … rank·parts + parts − 1``, in order (``parts`` is
+    the gradient accumulation). With several processes, a final step smaller than
+    ``world × parts`` is dropped, so that every process has an example in every micro-batch."""
+
+    rank: int = 0
+    world: int = 1
+    parts: int = 1
+
+    def steps(self, n: int, batch_size: int) -> list[int]:
+        """The sizes of the optimiser steps' batches over an ``n``-example epoch."""
+        sizes = [min(batch_size, n - start) for start in range(0, n, batch_size)]
+        if self.world > 1 and sizes and sizes[-1] < self.world * self.parts:
+            sizes.pop()
+        return sizes
+
+    def slices(self, n: int) -> list[tuple[int, int]]:
+        """(start, stop) of this process's non-empty micro-batches of an ``n``-example step."""
+        cuts = self.world * self.parts
+        bounds = [n * j // cuts for j in range(cuts + 1)]
+        mine = range(self.rank * self.parts, (self.rank + 1) * self.parts)
+        return [(bounds[j], bounds[j + 1]) for j in mine if bounds[j + 1] > bounds[j]]

@@ -13,11 +13,11 @@ Every check that can fail on the user's input runs before any expensive work.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import random
-import re
 import shutil
 import sys
 import time
@@ -30,8 +30,11 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from uqbench import checkpoints, engine
 from uqbench.configs import USER_ERRORS, build, check_types, check_value, options_where
-from uqbench.evaluation import evaluate, forward_cost
+from uqbench.engine import resolve_device
+from uqbench.evaluation import evaluate, forward_cost, predict_splits, score
+from uqbench.loggers import NullLogger
 from uqbench.results import group_settings, run_header, write_stage
 from uqbench.runfolder import (
     ConfigMismatchError,
@@ -42,6 +45,7 @@ from uqbench.runfolder import (
     recover,
     stored_config,
 )
+from uqbench.training import Preempted
 
 log = logging.getLogger("uqbench")
 
@@ -50,26 +54,10 @@ class RunExistsError(FileExistsError):
     pass
 
 
+JOBS = ("train", "params", "eval")
+
+
 # --- helpers ----------------------------------------------------------------------------------
-
-DEVICES = "auto, cpu, cuda, cuda:<index>, mps"
-
-
-def resolve_device(name: str) -> torch.device:
-    """The torch device for ``device=``; auto picks CUDA, then MPS, then the CPU."""
-    if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", name):
-        raise ValueError(f"device '{name}' is not one of uqbench's devices: {DEVICES}")
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device '{name}' was asked for but CUDA is not available; "
-                         f"use device=cpu or device=auto")
-    return torch.device(name)
-
 
 def check_config(cfg: DictConfig) -> None:
     """Types and choices of the whole config, before anything is read, built or written: every
@@ -82,6 +70,8 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.get("torch_threads") is not None and cfg.torch_threads < 1:
         raise ValueError(f"torch_threads must be >= 1 or null, got {cfg.torch_threads}")
     resolve_device(str(cfg.device))
+    if cfg.get("job", "train") not in JOBS:
+        raise ValueError(f"job '{cfg.job}' is not one of: {', '.join(JOBS)}")
 
 
 def environment() -> dict[str, Any]:
@@ -123,13 +113,20 @@ def check_tasks_agree(cfg: DictConfig, method_factory: Any, data: Any, task: Any
 # --- the run ----------------------------------------------------------------------------------
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """Train and evaluate one configuration; return the results dict (also written to disk).
+    """Train and evaluate one configuration (or score a finished one: ``job=eval``); return the
+    results dict (also written to disk).
 
     The job holds its run folder's lock throughout, mends what a killed job left, reuses a
-    finished run only if it has the same configuration, and publishes all files at once.
+    finished run only if it has the same configuration, continues an unfinished one from its
+    checkpoint, and publishes all files at once. Under a cluster manager that starts one
+    process per device, only rank 0 locks and writes; the others train beside it.
     """
     check_config(cfg)
+    if cfg.get("job", "train") == "eval":
+        return eval_job(cfg)
     run_dir = Path(cfg.run_dir)
+    if engine.rank() != 0:
+        return _run(cfg, run_dir)
     with RunLock(run_dir):
         for path in recover(run_dir):
             log.info("removed %s, left by an interrupted job", path)
@@ -162,11 +159,13 @@ def reuse(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
 
 def publish_run(cfg: DictConfig, run_dir: Path, config: dict, results: dict,
                 predictions: dict, figure: Callable[[Path], Path | None] | None = None,
-                logger: Any = None) -> None:
+                logger: Any = None, checkpoint: dict | None = None) -> None:
     """Stage every file of the run, hand the summary to the logger, swap the folder in."""
     stage = new_stage(run_dir)
     try:
         write_stage(stage, config, results, predictions if cfg.save_predictions else {})
+        if checkpoint is not None:
+            checkpoints.save(stage / checkpoints.FINAL, checkpoint)
         image = figure(stage / "figure.png") if figure is not None else None
         if logger is not None:
             logger.log_summary(results["metrics"])
@@ -182,8 +181,7 @@ def publish_run(cfg: DictConfig, run_dir: Path, config: dict, results: dict,
 
 def _run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     job = cfg.get("job", "train")
-    if job not in ("train", "params"):
-        raise ValueError(f"job '{job}' is not one of: train, params")
+    fallback = None
     if job == "train":
         trainer = build(cfg.trainer)  # checks its own settings (uqbench.training.Trainer)
         if trainer.batch_size is not None:  # the recipe's batch, recorded where it acts
@@ -192,24 +190,74 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             log.warning("trainer.epochs=%s, lr=%s: the untrained model is evaluated "
                         "(results.json: train.updated_weights=false)", trainer.epochs,
                         cfg.trainer.optimizer.get("lr"))
+        check_batch(cfg, trainer)
+        device, fallback = resolve_device(str(cfg.device))
+        fabric = engine.fabric(device, trainer)  # a layout this machine cannot run fails here
     if (existing := reuse(cfg, run_dir)) is not None:
         return existing
-    seed_everything(int(cfg.seed))
-    if cfg.get("torch_threads"):
-        torch.set_num_threads(int(cfg.torch_threads))
     config = OmegaConf.to_container(cfg, resolve=True)
     if job == "params":  # count parameters only: no data, no training (uqbench/overhead.py)
         from uqbench.overhead import params_job
 
+        seed_everything(int(cfg.seed))
         results = {**run_header(cfg), "job": job, **params_job(cfg),
                    "table": config.get("table")}
         publish_run(cfg, run_dir, config, results, {})
         return results
-    device = resolve_device(str(cfg.device))
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    resume = resume_point(cfg, run_dir, config)
+    if fallback:
+        log.warning("%s", fallback)
+    # Everything a process needs, resolved here: spawned processes have no Hydra context.
+    job_cfg = OmegaConf.create(config)
+    spawns = fabric.world_size > 1 and not engine.external_processes()
+    with engine.StopRequest(forward=True) if spawns else contextlib.nullcontext():
+        outcome = fabric.launch(_train, job_cfg, run_dir, trainer, run_header(cfg), resume,
+                                fallback)
+    if isinstance(outcome, Preempted):
+        raise outcome
+    return outcome
 
-    # Build cheap things first and check they fit together before anything expensive.
+
+def check_batch(cfg: DictConfig, trainer: Any) -> None:
+    """The step's batch must split evenly enough over the processes and micro-batches."""
+    parts = trainer.world_size * trainer.accumulate
+    if parts > 1 and int(cfg.dataset.batch_size) < parts:
+        raise ValueError(
+            f"the batch of {cfg.dataset.batch_size} examples per optimiser step cannot be cut "
+            f"into {trainer.world_size} processes × {trainer.accumulate} micro-batches "
+            f"(trainer.devices × num_nodes × accumulate); raise trainer.batch_size or lower "
+            f"trainer.accumulate")
+
+
+def resume_point(cfg: DictConfig, run_dir: Path, config: dict) -> Path | None:
+    """The checkpoint this run continues from, or None; refuses one of another configuration
+    (showing the difference) or an unreadable one (naming it, keeping it)."""
+    path = run_dir / checkpoints.RESUME
+    if not path.exists():
+        return None
+    state = checkpoints.load(path)
+    diff = differences(state.get("config") or {}, config)
+    if diff:
+        raise ConfigMismatchError(
+            f"{run_dir} holds an unfinished run of another configuration (its checkpoint "
+            f"{path}):\n  " + "\n  ".join(diff) + "\ngive this run its own folder "
+            "(run_name=<name>), continue that one with its own command, or delete the "
+            "checkpoint to start over")
+    if not cfg.get("resume", True):
+        if not cfg.overwrite:
+            raise RunExistsError(
+                f"{path} holds this run's progress (epoch {state['epoch']}, step "
+                f"{state['step']}) and resume=false was asked: pass overwrite=true to start "
+                f"over (the checkpoint is replaced), or drop resume=false to continue")
+        return None
+    log.info("resuming from %s (epoch %s, step %s)", path, state["epoch"], state["step"])
+    return path
+
+
+def build_parts(cfg: DictConfig, device: torch.device, activation_checkpointing: bool = False
+                ) -> tuple[Any, Any, Any, Any]:
+    """Method, data, task and backbone of ``cfg`` on ``device``: cheap things first, checked
+    against each other before anything expensive is read or built."""
     method_factory = build(cfg.method)
     data = build(cfg.dataset)
     task = build(cfg.task)
@@ -217,17 +265,55 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     data.check()  # missing or partial data fails here, before any model is built
     backbone = build(cfg.backbone)
     data.setup(backbone)
+    backbone.device = device  # methods decompose and copy pretrained weights where they run
+    if activation_checkpointing:
+        backbone.enable_activation_checkpointing()
     method = method_factory(backbone=backbone, info=data.info).to(device)
+    return method, data, task, backbone
 
-    logger = build(cfg.logger)
+
+def _train(fabric: Any, cfg: DictConfig, run_dir: Path, trainer: Any, header: dict,
+           resume: Path | None, fallback: str | None) -> dict[str, Any] | Preempted | None:
+    """One process's share of a training job (all of it on one device). Every process builds,
+    trains and scores; rank 0 writes the run folder and returns the results."""
+    seed_everything(int(cfg.seed))
+    if cfg.get("torch_threads"):
+        torch.set_num_threads(int(cfg.torch_threads))
+    device = fabric.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    rank0 = fabric.global_rank == 0
+
+    method, data, task, backbone = build_parts(cfg, device, trainer.activation_checkpointing)
+    model = fabric.setup_module(method)
+    model.mark_forward_method("loss")
+
+    config = OmegaConf.to_container(cfg, resolve=True)
+    logger = build(cfg.logger) if rank0 else NullLogger()
     logger.start(run_dir, name=cfg.run_subdir, config=config)
+    resume_state = checkpoints.load(resume) if resume is not None else None
+
+    def save(state: dict[str, Any]) -> None:
+        checkpoints.save(run_dir / checkpoints.RESUME, {**state, "config": config})
+
     try:
-        train = trainer.fit(method, data, task, device, logger)
+        with engine.StopRequest() as stop:
+            try:
+                train = trainer.fit(method, data, task, logger, fabric=fabric, model=model,
+                                    resume=resume_state, save=save if rank0 else None,
+                                    stop=stop)
+            except Preempted as preempted:
+                log.warning("%s", preempted)
+                return preempted if rank0 else None
+        del resume_state
         start = time.perf_counter()
-        metrics, predictions, calibration = evaluate(method, data, task, device)
+        metrics, predictions, calibration = evaluate(model, data, task, device)
         eval_s = time.perf_counter() - start
+        cost = forward_cost(model, data, device)
+        if not rank0:
+            return None
         results = {
-            **run_header(cfg),
+            **header,
             "settings": {
                 "dataset": group_settings(cfg.dataset) | data.settings(),
                 "method": group_settings(cfg.method) | method.settings(),
@@ -240,20 +326,108 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             "metrics": metrics,
             "calibration": calibration,
             "time": {"train_s": train["train_s"], "eval_s": eval_s},
-            "cost": forward_cost(method, data, device),
+            "cost": cost,
             "environment": environment(),
             "train": {"epochs": train["epochs"], "selected_epoch": train["selected_epoch"],
                       "updated_weights": trainer.updates_weights,
-                      "device": str(device)},
+                      "device": str(device), "device_note": fallback,
+                      "precision": trainer.precision, "strategy": type(fabric.strategy).__name__,
+                      "world_size": fabric.world_size, "accumulate": trainer.accumulate,
+                      "steps_run": train["steps_run"], "resumed_at": train.get("resumed_at")},
             "table": config.get("table"),
         }
         title = f"{cfg.run_subdir}  test NLL {metrics.get('test/nll', float('nan')):.3f}"
         figure = ((lambda path: task.plot(path, method, data, device, title=title))
                   if cfg.plot and hasattr(task, "plot") else None)
-        publish_run(cfg, run_dir, config, results, predictions, figure, logger)
+        final = None
+        if trainer.keep_checkpoint != "none" and trainer.updates_weights:
+            final = {"trainable": method.trainable_state(), "config": config,
+                     "method": cfg.method.name}
+            if trainer.keep_checkpoint == "full" and (run_dir / checkpoints.RESUME).exists():
+                final["resume"] = checkpoints.load(run_dir / checkpoints.RESUME)
+        publish_run(cfg, run_dir, config, results, predictions, figure, logger, final)
+        shutil.rmtree(run_dir / Path(checkpoints.RESUME).parent, ignore_errors=True)
     finally:
         logger.finish()  # a second finish is a no-op; a failed run still closes its tracker
     return results
+
+
+# --- scoring a finished run -------------------------------------------------------------------
+
+def eval_job(cfg: DictConfig) -> dict[str, Any]:
+    """``job=eval``: score a finished run's checkpoint on a dataset's splits, without training.
+
+    The run is ``eval_run`` (or the folder this command names). Everything but the data comes
+    from the run's stored config; the dataset (and its task) come from the command when it
+    names one (``dataset=cifar100_c``), else from the run. The results land in
+    ``<run>/eval/<dataset>/`` (results.json, predictions/), published all at once; the run's
+    own files are never touched.
+    """
+    run_dir = Path(str(cfg.eval_run)).expanduser() if cfg.get("eval_run") else Path(cfg.run_dir)
+    if not (run_dir / "results.json").is_file():
+        raise FileNotFoundError(f"job=eval needs a finished run: {run_dir} holds no results.json "
+                                f"(eval_run=<run folder> names the run to score)")
+    stored = stored_config(run_dir)
+    if stored is None:
+        raise FileNotFoundError(f"{run_dir}/config.yaml is missing or unreadable")
+    final = run_dir / checkpoints.FINAL
+    if not final.is_file():
+        raise checkpoints.CheckpointError(
+            f"{run_dir} has no {checkpoints.FINAL}: it was trained without keeping one "
+            f"(trainer.keep_checkpoint=none, or before runs kept checkpoints). Train it again "
+            f"(overwrite=true) to score it on other data")
+    run_cfg = OmegaConf.create(stored)
+    if _names_dataset(cfg):  # another dataset: its config and task from the command
+        run_cfg.dataset, run_cfg.task = cfg.dataset, cfg.task
+    for key in ("device", "torch_threads", "save_predictions"):
+        run_cfg[key] = cfg.get(key)
+    device, fallback = resolve_device(str(cfg.device))
+    out = run_dir / "eval" / str(run_cfg.dataset.name)
+    with RunLock(run_dir):
+        if (out / "results.json").is_file() and not cfg.overwrite:
+            if cfg.skip_existing:
+                return json.loads((out / "results.json").read_text())
+            raise RunExistsError(f"{out}/results.json already exists: overwrite=true replaces "
+                                 f"it, skip_existing=true keeps it")
+        state = checkpoints.load(final)
+        seed_everything(int(run_cfg.seed))
+        if run_cfg.get("torch_threads"):
+            torch.set_num_threads(int(run_cfg.torch_threads))
+        method, data, task, _ = build_parts(run_cfg, device)
+        method.load_trainable_state({k: v.to(device) for k, v in state["trainable"].items()})
+        start = time.perf_counter()
+        predictions = predict_splits(method, data, task, device)
+        metrics, calibration = score(predictions, task, data.eval_splits, data.ood_splits)
+        results = {"job": "eval", "of_run": str(run_dir), "experiment": run_cfg.experiment_name,
+                   "run": run_cfg.run_subdir, "dataset": str(run_cfg.dataset.name),
+                   "method": str(run_cfg.method.name), "backbone": str(run_cfg.backbone.name),
+                   "seed": int(run_cfg.seed),
+                   "settings": {"dataset": group_settings(run_cfg.dataset) | data.settings(),
+                                "task": group_settings(run_cfg.task)},
+                   "metrics": metrics, "calibration": calibration,
+                   "time": {"eval_s": time.perf_counter() - start},
+                   "environment": environment(),
+                   "device": str(device), "device_note": fallback}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        stage = new_stage(out)
+        try:
+            write_stage(stage, OmegaConf.to_container(run_cfg, resolve=True), results,
+                        predictions if cfg.save_predictions else {})
+            publish(stage, out)
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+    log.info("wrote %s", out / "results.json")
+    return results
+
+
+def _names_dataset(cfg: DictConfig) -> bool:
+    """Whether the command chose a dataset (``dataset=…`` or ``dataset.…=…``)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return True  # a composed config: its dataset is the one asked for
+    return any(o.split("=", 1)[0].lstrip("+~").split(".")[0] == "dataset"
+               for o in HydraConfig.get().overrides.task)
 
 
 @hydra.main(config_path="pkg://uqbench.conf", config_name="config", version_base="1.3")
@@ -267,6 +441,10 @@ def _hydra_main(cfg: DictConfig) -> None:
         print(f"error: {err}\n(set UQBENCH_TRACEBACK=1 for the full traceback)",
               file=sys.stderr)
         sys.exit(1)
+    except Preempted as stopped:  # SIGTERM / USR2: the checkpoint is written
+        log.warning("%s", stopped)
+        print(f"stopped: {stopped}", file=sys.stderr)
+        sys.exit(engine.hand_on(stopped.signum))
     except KeyboardInterrupt:  # Ctrl-C: one line; the folder is left as a kill leaves it
         if os.environ.get("UQBENCH_TRACEBACK"):
             raise

@@ -10,12 +10,14 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
 
-from uqbench.contracts import to_device
+from uqbench.checkpoints import rng_state, set_rng_state
+from uqbench.contracts import Shard, to_device
 from uqbench.loggers import Logger
 
 if TYPE_CHECKING:  # types only: the loop takes a built method, data and task from the runner
@@ -199,16 +201,38 @@ class Trainer:
         lr = getattr(self.optimizer, "keywords", {}).get("lr")
         return self.epochs > 0 and lr != 0
 
-    def fit(self, method: Method, data: DataModule, task: Task, device: torch.device,
-            logger: Logger) -> dict[str, Any]:
-        """Train ``method`` for ``epochs``; return timing and model-selection facts."""
+    def fit(self, method: Method, data: DataModule, task: Task, logger: Logger | None = None,
+            *, fabric: Any = None, model: Any = None, resume: dict[str, Any] | None = None,
+            save: Callable[[dict[str, Any]], None] | None = None,
+            stop: Callable[[], bool] | None = None) -> dict[str, Any]:
+        """Train ``method`` for ``epochs``; return timing, model-selection and resumption facts.
+
+        ``fabric`` and ``model`` (the method set up by it) come from the runner; without them
+        the method trains in this process on the device it is on.
+
+        Each optimiser step takes ``batch_size`` examples in all: this process's micro-batches
+        of it (:class:`uqbench.data.base.Shard`), each loss weighted by its share of the step,
+        so that one process, several, or accumulation compute the same update. ``save(state)``
+        is called every ``checkpoint_every`` steps and at each epoch end with everything needed
+        to continue (``resume=state``): the trained parameters, optimiser, schedule, random
+        streams and position. ``stop()`` is asked after every step (a preemption signal): the
+        loop then saves and raises :class:`Preempted`.
+        """
         params = [p for p in method.parameters() if p.requires_grad]
         if not params and self.epochs > 0:
             raise ValueError(f"method '{method.name}' has no trainable parameters")
         start = time.perf_counter()
         epochs = self.epochs
         if epochs == 0:
-            return {"epochs": 0, "train_s": 0.0, "selected_epoch": 0}
+            return {"epochs": 0, "train_s": 0.0, "selected_epoch": 0, "steps_run": 0}
+        logger = logger or Logger()
+        if fabric is None:
+            from uqbench import engine
+
+            device = next(method.parameters()).device
+            fabric = engine.fabric(device, self)
+            model = fabric.setup_module(method)
+            model.mark_forward_method("loss")
         anchors: list[torch.Tensor] = []
         if self.decay_to == "init":  # the optimiser runs without decay; we decay toward p₀
             decay = float(getattr(self.optimizer, "keywords", {}).get("weight_decay") or 0.0)
@@ -216,49 +240,155 @@ class Trainer:
             anchors = [p.detach().clone() for p in params] if decay else []
         else:
             optimizer = self.optimizer(params=params)
+        optimizer = fabric.setup_optimizers(optimizer)
         groups = clip_groups(method, params) if self.grad_clip is not None else []
-        loader = data.loader("train", train=True)
-        total = epochs * len(loader)
+        world = fabric.world_size
+        shard = Shard(rank=fabric.global_rank, world=world, parts=self.accumulate)
+        n_train = len(data.dataset("train"))
+        sizes = shard.steps(n_train, data.batch_size)
+        if not sizes:
+            raise ValueError(f"the training split has {n_train} examples, fewer than the "
+                             f"{world} processes × {self.accumulate} micro-batches of one step")
+        total = epochs * len(sizes)
         # warm-up in optimiser steps when given (LoRA-Ensemble's recipe), else in epochs
         warmup = (self.warmup_steps if self.warmup_steps is not None
-                  else self.warmup_epochs * len(loader))
+                  else self.warmup_epochs * len(sizes))
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_factor(s, total, warmup, self.schedule))
-        best = {"loss": math.inf, "epoch": epochs, "state": None}
-        bar = tqdm(range(1, epochs + 1), desc=f"train {method.name}", disable=not self.progress,
-                   dynamic_ncols=True, leave=False)
+        best: dict[str, Any] = {"loss": math.inf, "epoch": epochs, "state": None}
+        first_epoch, skip, running, n, elapsed = 1, 0, 0.0, 0, 0.0
+        epoch_rng: dict[str, Any] | None = None
+        resumed_rng: dict[str, Any] | None = None
+        if resume is not None:
+            method.load_trainable_state(resume["trainable"])
+            optimizer.load_state_dict(resume["optimizer"])
+            scheduler.load_state_dict(resume["scheduler"])
+            fabric.strategy.precision.load_state_dict(resume.get("precision") or {})
+            best = resume["best"]
+            elapsed = float(resume["train_s"])
+            if resume["epoch_done"]:
+                first_epoch = resume["epoch"] + 1
+                set_rng_state(resume["rng"])
+            else:
+                first_epoch, skip = resume["epoch"], resume["step"]
+                running, n = resume["running"]
+                epoch_rng, resumed_rng = resume["epoch_rng"], resume["rng"]
+        global_step = (first_epoch - 1) * len(sizes) + skip
+        steps_run = 0
+
+        def state(epoch: int, step: int, epoch_done: bool) -> dict[str, Any]:
+            return {"epoch": epoch, "step": step, "epoch_done": epoch_done,
+                    "global_step": global_step, "trainable": method.trainable_state(),
+                    "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "precision": fabric.strategy.precision.state_dict(),
+                    "rng": rng_state(), "epoch_rng": None if epoch_done else epoch_rng,
+                    "running": (running, n), "best": best,
+                    "train_s": elapsed + time.perf_counter() - start}
+
+        bar = tqdm(range(first_epoch, epochs + 1), desc=f"train {method.name}",
+                   disable=not self.progress or fabric.global_rank != 0, dynamic_ncols=True,
+                   leave=False)
         for epoch in bar:
-            method.train()
-            running, n = 0.0, 0
-            for step, batch in enumerate(loader):
-                batch = to_device(batch, device)
-                loss = method.loss(batch)
-                if not torch.isfinite(loss):
-                    raise NonFiniteLossError(
-                        f"the training loss became {loss.item()} at epoch {epoch}, step {step} "
-                        f"(lr {scheduler.get_last_lr()[0]:.3g}); lower trainer.optimizer.lr, set "
-                        f"trainer.grad_clip, or check the data. No results were written.")
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                if self.grad_clip is not None:
-                    clip_per_member_(groups, self.grad_clip)
-                optimizer.step()
-                if anchors:
-                    decay_toward_(optimizer, anchors, decay)
+            model.train()
+            if epoch_rng is not None:      # a resumed epoch: its data order, then our place
+                set_rng_state(epoch_rng)
+                on_skip = (partial(set_rng_state, resumed_rng) if resumed_rng is not None
+                           else None)
+            else:
+                epoch_rng, on_skip, skip, running, n = rng_state(), None, 0, 0.0, 0
+            loader = iter(data.loader("train", train=True, shard=shard, skip=skip,
+                                      on_skip=on_skip))
+            for step in range(skip, len(sizes)):
+                loss_value = self._step(fabric, model, optimizer, loader, shard, sizes[step],
+                                        groups, anchors, decay if anchors else 0.0, epoch, step,
+                                        scheduler)
                 scheduler.step()
-                running += loss.item()
+                running += loss_value
                 n += 1
-            log = {"train/loss": running / n, "epoch": epoch, "lr": scheduler.get_last_lr()[0]}
+                global_step += 1
+                steps_run += 1
+                if save is not None and self.checkpoint_every and \
+                        global_step % self.checkpoint_every == 0 and step + 1 < len(sizes):
+                    save(state(epoch, step + 1, False))
+                if stop is not None and step + 1 < len(sizes) and _agreed(fabric, stop()):
+                    if save is not None:
+                        save(state(epoch, step + 1, False))
+                    raise Preempted(epoch, step + 1, global_step, getattr(stop, "signum", None))
+            epoch_rng, resumed_rng = None, None
+            mean_loss = running / n
+            if world > 1:  # every process's share of each step's loss, summed
+                mean_loss = float(fabric.all_reduce(torch.tensor(mean_loss), reduce_op="sum"))
+            log = {"train/loss": mean_loss, "epoch": epoch, "lr": scheduler.get_last_lr()[0]}
             if data.has_val and (epoch % self.val_every == 0 or epoch == epochs):
-                preds = task.predict(method, data.loader("val"), device)
+                preds = task.predict(model, data.loader("val"), fabric.device)
                 val = task.metrics("val", preds)
                 log.update(val)
                 val_loss = task.val_loss(preds)
                 if self.select == "best" and val_loss < best["loss"]:
                     best = {"loss": val_loss, "epoch": epoch, "state": method.trainable_state()}
-            logger.log_metrics(log, step=epoch)
+            if fabric.global_rank == 0:
+                logger.log_metrics(log, step=epoch)
             bar.set_postfix(loss=f"{log['train/loss']:.4g}")
+            if save is not None:  # the last one too: a kill while scoring retrains nothing
+                save(state(epoch, len(sizes), True))
+            if stop is not None and epoch < epochs and _agreed(fabric, stop()):
+                raise Preempted(epoch + 1, 0, global_step, getattr(stop, "signum", None))
         if best["state"] is not None:
             method.load_trainable_state(best["state"])
-        return {"epochs": epochs, "train_s": time.perf_counter() - start,
-                "selected_epoch": best["epoch"]}
+        return {"epochs": epochs, "train_s": elapsed + time.perf_counter() - start,
+                "selected_epoch": best["epoch"], "steps_run": steps_run,
+                "resumed_at": None if resume is None else
+                {"epoch": resume["epoch"] + int(resume["epoch_done"]),
+                 "step": 0 if resume["epoch_done"] else resume["step"],
+                 "global_step": resume["global_step"]}}
+
+    def _step(self, fabric: Any, model: Any, optimizer: Any, loader: Any, shard: Shard,
+              size: int, groups: list[Group], anchors: list[torch.Tensor], decay: float,
+              epoch: int, step: int, scheduler: Any) -> float:
+        """One optimiser step over this process's micro-batches of a ``size``-example batch;
+        returns this process's share of the step's loss."""
+        slices = shard.slices(size)
+        optimizer.zero_grad(set_to_none=True)
+        value = 0.0
+        for k, (lo, hi) in enumerate(slices):
+            batch = to_device(next(loader), fabric.device)
+            share = (hi - lo) / size               # this micro-batch's part of the step's mean
+            with fabric.no_backward_sync(model, enabled=k < len(slices) - 1):
+                # the precision's input dtype and autocast (on one device Fabric leaves a
+                # method other than forward alone; under DDP/FSDP this repeats it harmlessly)
+                with fabric.autocast():
+                    loss = model.loss(fabric.strategy.precision.convert_input(batch))
+                if not torch.isfinite(loss):
+                    raise NonFiniteLossError(
+                        f"the training loss became {loss.item()} at epoch {epoch}, step {step} "
+                        f"(lr {scheduler.get_last_lr()[0]:.3g}); lower trainer.optimizer.lr, "
+                        f"set trainer.grad_clip, or check the data. No results were written.")
+                scale = share * shard.world         # the processes' gradients are averaged
+                fabric.backward(loss if scale == 1 else loss * scale)
+            value += loss.item() if share == 1 else share * loss.item()
+        if self.grad_clip is not None:
+            fabric.strategy.precision.unscale_gradients(optimizer)
+            clip_per_member_(groups, self.grad_clip)
+        optimizer.step()
+        if anchors:
+            decay_toward_(optimizer, anchors, decay)
+        return value
+
+
+class Preempted(RuntimeError):
+    """The job was asked to stop (SIGTERM, SLURM's USR2): its checkpoint is written."""
+
+    def __init__(self, epoch: int, step: int, global_step: int, signum: int | None = None
+                 ) -> None:
+        super().__init__(f"stopped on request at epoch {epoch}, step {step} (optimiser step "
+                         f"{global_step}); the checkpoint is written: the same command "
+                         f"continues the run")
+        self.epoch, self.step, self.global_step = epoch, step, global_step
+        self.signum = signum
+
+
+def _agreed(fabric: Any, flag: bool) -> bool:
+    """True if any process was asked to stop (every process then stops at the same step)."""
+    if fabric.world_size == 1:
+        return bool(flag)
+    return bool(fabric.all_reduce(torch.tensor(float(flag)), reduce_op="sum") > 0)

@@ -29,6 +29,9 @@ from torch import nn
 class Backbone:
     name: str = "backbone"
     modality: str = "image"  # image | text | tabular
+    # Where the run trains (set by the runner): methods move the built encoder there before
+    # wrapping it, so that decompositions (SVE's SVD) run on the target device.
+    device: Any = None
 
     def __init__(self, name: str, targets: Sequence[str] = (),
                  attention_targets: Sequence[str] = (), pretrained: bool = True) -> None:

@@ -16,14 +16,21 @@ Split kinds, declared by the dataset, tell the runner what to compute on each sp
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    RandomSampler,
+    SequentialSampler,
+    TensorDataset,
+)
 
 from uqbench.configs import options_where
-from uqbench.contracts import DataInfo
+from uqbench.contracts import DataInfo, Shard
 
 
 class DataModule:
@@ -66,16 +73,23 @@ class DataModule:
     def has_val(self) -> bool:
         return True
 
-    def loader(self, split: str, train: bool = False) -> DataLoader | TensorBatches:
+    def loader(self, split: str, train: bool = False, shard: Shard | None = None,
+               skip: int = 0, on_skip: Callable[[], None] | None = None
+               ) -> DataLoader | TensorBatches:
+        """Batches of ``split`` (shuffled when ``train``). With a ``shard``, each batch is one
+        optimiser step's whole batch, cut into micro-batches of which this process yields its
+        own (:class:`Shard`); ``skip`` global batches are passed over without being read (a
+        resumed epoch), after which ``on_skip`` runs once."""
         dataset = self.dataset(split)
         batch_size = self.batch_size if train else self.eval_batch_size
+        shard = shard or Shard()
         if isinstance(dataset, TensorDataset) and self.num_workers == 0:
-            return TensorBatches(dataset.tensors, batch_size, shuffle=train)
+            return TensorBatches(dataset.tensors, batch_size, shuffle=train, shard=shard,
+                                 skip=skip, on_skip=on_skip)
+        sampler = RandomSampler(dataset) if train else SequentialSampler(dataset)
         return DataLoader(
             dataset,
-            batch_size=batch_size,
-            shuffle=train,
-            drop_last=False,
+            batch_sampler=MicroBatchSampler(sampler, batch_size, shard, skip, on_skip),
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             persistent_workers=self.num_workers > 0,
@@ -87,6 +101,51 @@ class DataModule:
         return max(1, -(-n // self.batch_size))
 
 
+class _Skip:
+    """``skipped(step)``: True while ``step`` is one of the first ``skip``; calls ``on_skip``
+    once, at the first step not skipped (or at the end, when every step was)."""
+
+    def __init__(self, skip: int, on_skip: Callable[[], None] | None) -> None:
+        self.skip, self.on_skip = skip, on_skip
+
+    def __call__(self, step: int) -> bool:
+        if step < self.skip:
+            return True
+        if self.on_skip is not None:
+            self.on_skip()
+            self.on_skip = None
+        return False
+
+
+class MicroBatchSampler:
+    """Index lists for a DataLoader: the batches of ``BatchSampler(sampler, batch_size)``, each
+    cut into this process's micro-batches (:class:`Shard`); the first ``skip`` batches are
+    drawn but not yielded. With the default shard and no skip it yields exactly the batches of
+    ``DataLoader(shuffle=…, batch_size=…)``, drawing the same random numbers."""
+
+    def __init__(self, sampler: Any, batch_size: int, shard: Shard, skip: int = 0,
+                 on_skip: Callable[[], None] | None = None) -> None:
+        self.batches = BatchSampler(sampler, batch_size, drop_last=False)
+        self.n, self.batch_size = len(sampler), batch_size
+        self.shard, self.skip, self.on_skip = shard, skip, on_skip
+
+    def __len__(self) -> int:
+        return sum(len(self.shard.slices(s)) for s in self.shard.steps(self.n, self.batch_size)
+                   [self.skip:])
+
+    def __iter__(self) -> Iterator[list[int]]:
+        sizes = self.shard.steps(self.n, self.batch_size)
+        skipped = _Skip(self.skip, self.on_skip)
+        for step, batch in enumerate(self.batches):
+            if step >= len(sizes):
+                break
+            if skipped(step):
+                continue
+            for start, stop in self.shard.slices(len(batch)):
+                yield batch[start:stop]
+        skipped(len(sizes))
+
+
 class TensorBatches:
     """Mini-batches of in-memory tensors by slicing: a DataLoader without per-item collation.
 
@@ -96,21 +155,31 @@ class TensorBatches:
     """
 
     def __init__(self, tensors: tuple[torch.Tensor, ...], batch_size: int,
-                 shuffle: bool = False) -> None:
+                 shuffle: bool = False, shard: Shard | None = None, skip: int = 0,
+                 on_skip: Callable[[], None] | None = None) -> None:
         self.tensors, self.batch_size, self.shuffle = tensors, batch_size, shuffle
+        self.shard, self.skip, self.on_skip = shard or Shard(), skip, on_skip
 
     def __len__(self) -> int:
-        return -(-len(self.tensors[0]) // self.batch_size)
+        sizes = self.shard.steps(len(self.tensors[0]), self.batch_size)[self.skip:]
+        return sum(len(self.shard.slices(s)) for s in sizes)
 
     def __iter__(self):
         n = len(self.tensors[0])
         order = torch.randperm(n) if self.shuffle else None
-        for start in range(0, n, self.batch_size):
-            if order is None:
-                yield tuple(t[start:start + self.batch_size] for t in self.tensors)
-            else:
-                idx = order[start:start + self.batch_size]
-                yield tuple(t[idx] for t in self.tensors)
+        sizes = self.shard.steps(n, self.batch_size)
+        skipped = _Skip(self.skip, self.on_skip)
+        for step, size in enumerate(sizes):
+            if skipped(step):
+                continue
+            first = step * self.batch_size
+            for start, stop in self.shard.slices(size):
+                if order is None:
+                    yield tuple(t[first + start:first + stop] for t in self.tensors)
+                else:
+                    idx = order[first + start:first + stop]
+                    yield tuple(t[idx] for t in self.tensors)
+        skipped(len(sizes))
 
 
 def check_modality(dataset: str, backbone: Any, modality: str) -> None:

@@ -104,6 +104,8 @@ class EnsembleMethod(Method):
         self.multiple_choice = bool(info.multiple_choice)
         self.backbone_name = backbone.name
         self.encoder = backbone.build()
+        if getattr(backbone, "device", None) is not None:  # decompose/copy where it will run
+            self.encoder.to(backbone.device)
         self.encoder.requires_grad_(False)
         self.base_params = count(self.encoder.parameters())
         self.base_bytes = nbytes(self.encoder.parameters())
