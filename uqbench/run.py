@@ -377,12 +377,16 @@ def eval_job(cfg: DictConfig) -> dict[str, Any]:
             f"(trainer.keep_checkpoint=none, or before runs kept checkpoints). Train it again "
             f"(overwrite=true) to score it on other data")
     run_cfg = OmegaConf.create(stored)
-    if _names_dataset(cfg):  # another dataset: its config and task from the command
+    chosen, changed = _dataset_overrides(cfg)
+    if chosen:  # another dataset: its config and task from the command
         run_cfg.dataset, run_cfg.task = cfg.dataset, cfg.task
+    for key in changed:  # dataset.<key>=<value>: on top of the run's dataset
+        OmegaConf.update(run_cfg, key, OmegaConf.select(cfg, key), force_add=True)
     for key in ("device", "torch_threads", "save_predictions"):
         run_cfg[key] = cfg.get(key)
     device, fallback = resolve_device(str(cfg.device))
-    out = run_dir / "eval" / str(run_cfg.dataset.name)
+    out = run_dir / "eval" / ",".join([str(run_cfg.dataset.name), *(
+        f"{k}={OmegaConf.select(cfg, k)}" for k in changed)])
     with RunLock(run_dir):
         if (out / "results.json").is_file() and not cfg.overwrite:
             if cfg.skip_existing:
@@ -420,20 +424,25 @@ def eval_job(cfg: DictConfig) -> dict[str, Any]:
     return results
 
 
-def _names_dataset(cfg: DictConfig) -> bool:
-    """Whether the command chose a dataset (``dataset=…`` or ``dataset.…=…``)."""
+def _dataset_overrides(cfg: DictConfig) -> tuple[bool, list[str]]:
+    """Whether the command chose a dataset (``dataset=…``), and the ``dataset.<key>`` values
+    it set. A config composed without Hydra's command line counts as choosing its dataset."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
-        return True  # a composed config: its dataset is the one asked for
-    return any(o.split("=", 1)[0].lstrip("+~").split(".")[0] == "dataset"
-               for o in HydraConfig.get().overrides.task)
+        return True, []
+    keys = [o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task]
+    return "dataset" in keys, sorted(k for k in keys if k.startswith("dataset."))
 
 
 @hydra.main(config_path="pkg://uqbench.conf", config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
     try:
         results = run(cfg)
+    except Preempted as stopped:  # SIGTERM / USR2: the checkpoint is written
+        log.warning("%s", stopped)
+        print(f"stopped: {stopped}", file=sys.stderr)
+        sys.exit(engine.hand_on(stopped.signum))
     except USER_ERRORS as err:
         if os.environ.get("UQBENCH_TRACEBACK"):
             raise
@@ -441,10 +450,6 @@ def _hydra_main(cfg: DictConfig) -> None:
         print(f"error: {err}\n(set UQBENCH_TRACEBACK=1 for the full traceback)",
               file=sys.stderr)
         sys.exit(1)
-    except Preempted as stopped:  # SIGTERM / USR2: the checkpoint is written
-        log.warning("%s", stopped)
-        print(f"stopped: {stopped}", file=sys.stderr)
-        sys.exit(engine.hand_on(stopped.signum))
     except KeyboardInterrupt:  # Ctrl-C: one line; the folder is left as a kill leaves it
         if os.environ.get("UQBENCH_TRACEBACK"):
             raise

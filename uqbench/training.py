@@ -375,7 +375,7 @@ class Trainer:
         return value
 
 
-class Preempted(RuntimeError):
+class Preempted(Exception):
     """The job was asked to stop (SIGTERM, SLURM's USR2): its checkpoint is written."""
 
     def __init__(self, epoch: int, step: int, global_step: int, signum: int | None = None
