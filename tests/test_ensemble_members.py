@@ -113,7 +113,7 @@ def test_combined_ensemble_is_the_one_process_run(trained, tmp_path):
         joint["calibration"]["temperature"], rel=1e-4)
     assert results["params"] == joint["params"]  # two full copies: 2 × (encoder + head)
     assert results["settings"] == joint["settings"]
-    assert results["run"] == joint["run"]
+    assert results["run"] == str(tmp_path / "combined")  # where they are, with --out
     assert [Path(r).parent.name for r in results["combined_from"]] == [member_level(0),
                                                                          member_level(1)]
     assert results["time"]["train_s"] == pytest.approx(sum(
@@ -227,12 +227,13 @@ def test_the_command_takes_a_glob_and_fails_in_one_line(trained, tmp_path, capsy
     from uqbench.combine import main
 
     members = copy_members(trained, tmp_path)
-    main([str(tmp_path / "runs" / "*method.member=*" / "seed0"), "--out",
-          str(tmp_path / "ensemble")])
-    results = json.loads((tmp_path / "ensemble" / "results.json").read_text())
+    main([str(tmp_path / "runs" / "*method.member=*" / "seed0")])
+    out = tmp_path / "runs" / LEVEL / "seed0"  # the member level removed
+    results = json.loads((out / "results.json").read_text())
+    assert results["run"] == json.loads((trained["joint"] / "results.json").read_text())["run"]
     assert len(results["combined_from"]) == 2
-    assert probs(tmp_path / "ensemble", "test").shape[0] == 2
-    assert capsys.readouterr().out.startswith(f"{tmp_path / 'ensemble'}: test/acc=")
+    assert probs(out, "test").shape[0] == 2
+    assert capsys.readouterr().out.startswith(f"{out}: test/acc=")
     with pytest.raises(SystemExit) as exit_:
         main([str(members[0])])
     assert exit_.value.code == 1

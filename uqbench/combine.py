@@ -325,7 +325,7 @@ def combine(folders: list[Path], out: Path | None = None, overwrite: bool = Fals
                 f"give one with --out <folder>")
         out, run = places.pop()
     else:
-        run = next(iter(places))[1] if len(places) == 1 and None not in places else str(out)
+        run = str(out)  # `run` names the folder the results are in
     if any(out.resolve() == m.folder.resolve() for m in members):
         raise ValueError(f"--out {out} is one of the member folders; give the ensemble its own")
     config = ensemble_config(members[0], run, out)
