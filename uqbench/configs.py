@@ -235,20 +235,55 @@ def check_value(key: str, value: Any, annotation: Any) -> None:
         raise ValueError(f"{key} must be an integer{hint}, got {value!r}")
 
 
+def _accepted(target: Any) -> set[str] | None:
+    """The keyword arguments one of uqbench's classes takes (its own constructor), or None for
+    another library's class, a function, or a constructor taking ``**kwargs``."""
+    import inspect
+
+    if not inspect.isclass(target) or not target.__module__.startswith("uqbench."):
+        return None
+    try:
+        params = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params}
+
+
+def _unknown_field(target: Any, key: str, field: str) -> ValueError:
+    """The error for a field the constructor does not take, naming the options that have it."""
+    group = key.split(".")[0]
+    having = ([name for name in group_options(group) if field in _packaged(group, name)]
+              if "." not in key else [])
+    hint = (f"; the {group} options that have it: {', '.join(having)}" if having
+            else "; remove it or check its spelling")
+    return ValueError(f"{key}.{field} is not an option of {key} '{target.__name__}'{hint}")
+
+
 def check_types(node: DictConfig, key: str) -> None:
     """Check every field of a buildable node (and of nested buildable nodes, e.g. the
-    optimiser) against the annotations of the constructor it names, before anything is built."""
+    optimiser) against the annotations of the constructor it names, before anything is built:
+    a field the constructor does not take is refused, and a class may add its own cross-field
+    checks (a classmethod ``check_settings(settings: dict)``, e.g. a member index below the
+    ensemble's size)."""
     from hydra.utils import get_object
 
     target = node.get("_target_")
     if target is None:
         return
-    hints = _hints(get_object(target))
+    obj = get_object(target)
+    hints, accepted = _hints(obj), _accepted(obj)
     for field in node:
         if str(field).startswith("_"):
             continue
+        if accepted is not None and field not in accepted:
+            raise _unknown_field(obj, key, str(field))
         value = node[field]
         if isinstance(value, DictConfig):
             check_types(value, f"{key}.{field}")
         elif field in hints:
             check_value(f"{key}.{field}", value, hints[field])
+    checker = getattr(obj, "check_settings", None)
+    if callable(checker):
+        checker(OmegaConf.to_container(node, resolve=True))

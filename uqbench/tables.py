@@ -26,6 +26,10 @@ experiment, every value its table reads must be a number or absent (columns, fig
 or a single value (rows, figure hue). Any other file is skipped with one warning line on stderr
 naming it and the problem, and every table is still written from the valid files.
 
+Ensemble members. A run that trained one member of a Deep Ensemble as its own job
+(``settings.method.member`` set) is not a row: its ensemble is, once ``uqbench-combine`` has
+written it (it would otherwise pass for the ensemble in the ensemble's row).
+
 Seeds. A cell aggregates one result per distinct seed, and ``seeds`` counts distinct seeds.
 When two files hold the same seed of the same setting (a copied run folder, a backup), the one
 first in sorted path order is kept, so the choice does not depend on file times, and a warning
@@ -221,6 +225,8 @@ def load_results(runs_dir: Path) -> list[Run]:
         except InvalidResults as err:
             _warn(path, str(err))
             continue
+        if get_path(res, "settings.method.member") is not None:
+            continue  # one member of an ensemble trained apart: its ensemble is the row
         res["_path"] = str(path)
         runs.append(res)
     return runs
