@@ -183,3 +183,71 @@ def hand_on(signum: int | None) -> int:
     if signum is not None and callable(signal.getsignal(signum)):
         os.kill(os.getpid(), signum)
     return 128 + (signum or signal.SIGTERM)
+
+
+# --- state that FSDP shards ----------------------------------------------------------------------
+# Under FSDP each process holds a shard of every parameter and of the optimiser state, so the
+# trained parameters are gathered (a collective: every process calls these) into full tensors
+# on the CPU with torch.distributed.checkpoint's state-dict API; elsewhere they are the method's
+# own tensors. These paths need CUDA devices and are not exercised by the CPU test suite.
+
+def sharded(fabric: Any) -> bool:
+    from lightning_fabric.strategies import FSDPStrategy
+
+    return isinstance(fabric.strategy, FSDPStrategy)
+
+
+def _clean(name: str) -> str:
+    for wrapper in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def trainable_state(fabric: Any, model: Any, method: Any) -> dict[str, torch.Tensor]:
+    """A copy of the trained parameters (whole tensors; under FSDP on rank 0, {} elsewhere)."""
+    if not sharded(fabric):
+        return method.trainable_state()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model._forward_module, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True))
+    names = {_clean(n) for n in method.trainable_parameters()}
+    return {n: t for n, t in full.items() if _clean(n) in names}
+
+
+def load_trainable_state(fabric: Any, model: Any, method: Any,
+                         state: dict[str, torch.Tensor]) -> None:
+    if not sharded(fabric):
+        method.load_trainable_state(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model._forward_module, state, options=StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True, strict=False))
+
+
+def optimizer_state(fabric: Any, model: Any, optimizer: Any) -> dict[str, Any]:
+    if not sharded(fabric):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
+
+    return get_optimizer_state_dict(model._forward_module, optimizer.optimizer,
+                                    options=StateDictOptions(full_state_dict=True,
+                                                             cpu_offload=True))
+
+
+def load_optimizer_state(fabric: Any, model: Any, optimizer: Any, state: dict) -> None:
+    if not sharded(fabric):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_optimizer_state_dict,
+    )
+
+    set_optimizer_state_dict(model._forward_module, optimizer.optimizer, state,
+                             options=StateDictOptions(full_state_dict=True,
+                                                      broadcast_from_rank0=True))

@@ -285,6 +285,7 @@ def _train(fabric: Any, cfg: DictConfig, run_dir: Path, trainer: Any, header: di
     rank0 = fabric.global_rank == 0
 
     method, data, task, backbone = build_parts(cfg, device, trainer.activation_checkpointing)
+    params = method.param_counts()  # whole tensors: before FSDP shards them
     model = fabric.setup_module(method)
     model.mark_forward_method("loss")
 
@@ -293,14 +294,15 @@ def _train(fabric: Any, cfg: DictConfig, run_dir: Path, trainer: Any, header: di
     logger.start(run_dir, name=cfg.run_subdir, config=config)
     resume_state = checkpoints.load(resume) if resume is not None else None
 
-    def save(state: dict[str, Any]) -> None:
-        checkpoints.save(run_dir / checkpoints.RESUME, {**state, "config": config})
+    def save(state: dict[str, Any]) -> None:  # every process gathers (FSDP), rank 0 writes
+        if rank0:
+            checkpoints.save(run_dir / checkpoints.RESUME, {**state, "config": config})
 
     try:
         with engine.StopRequest() as stop:
             try:
                 train = trainer.fit(method, data, task, logger, fabric=fabric, model=model,
-                                    resume=resume_state, save=save if rank0 else None,
+                                    resume=resume_state, save=save,
                                     stop=stop)
             except Preempted as preempted:
                 log.warning("%s", preempted)
@@ -310,6 +312,8 @@ def _train(fabric: Any, cfg: DictConfig, run_dir: Path, trainer: Any, header: di
         metrics, predictions, calibration = evaluate(model, data, task, device)
         eval_s = time.perf_counter() - start
         cost = forward_cost(model, data, device)
+        keep = trainer.keep_checkpoint != "none" and trainer.updates_weights
+        trained = engine.trainable_state(fabric, model, method) if keep else None
         if not rank0:
             return None
         results = {
@@ -322,7 +326,7 @@ def _train(fabric: Any, cfg: DictConfig, run_dir: Path, trainer: Any, header: di
                 "trainer": {k: v for k, v in group_settings(cfg.trainer).items()
                             if k != "progress"},
             },
-            "params": method.param_counts(),
+            "params": params,
             "metrics": metrics,
             "calibration": calibration,
             "time": {"train_s": train["train_s"], "eval_s": eval_s},
@@ -340,9 +344,8 @@ def _train(fabric: Any, cfg: DictConfig, run_dir: Path, trainer: Any, header: di
         figure = ((lambda path: task.plot(path, method, data, device, title=title))
                   if cfg.plot and hasattr(task, "plot") else None)
         final = None
-        if trainer.keep_checkpoint != "none" and trainer.updates_weights:
-            final = {"trainable": method.trainable_state(), "config": config,
-                     "method": cfg.method.name}
+        if keep:
+            final = {"trainable": trained, "config": config, "method": cfg.method.name}
             if trainer.keep_checkpoint == "full" and (run_dir / checkpoints.RESUME).exists():
                 final["resume"] = checkpoints.load(run_dir / checkpoints.RESUME)
         publish_run(cfg, run_dir, config, results, predictions, figure, logger, final)

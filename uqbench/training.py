@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
+from uqbench import engine
 from uqbench.checkpoints import rng_state, set_rng_state
 from uqbench.contracts import Shard, to_device
 from uqbench.loggers import Logger
@@ -227,8 +228,6 @@ class Trainer:
             return {"epochs": 0, "train_s": 0.0, "selected_epoch": 0, "steps_run": 0}
         logger = logger or Logger()
         if fabric is None:
-            from uqbench import engine
-
             device = next(method.parameters()).device
             fabric = engine.fabric(device, self)
             model = fabric.setup_module(method)
@@ -260,8 +259,8 @@ class Trainer:
         epoch_rng: dict[str, Any] | None = None
         resumed_rng: dict[str, Any] | None = None
         if resume is not None:
-            method.load_trainable_state(resume["trainable"])
-            optimizer.load_state_dict(resume["optimizer"])
+            engine.load_trainable_state(fabric, model, method, resume["trainable"])
+            engine.load_optimizer_state(fabric, model, optimizer, resume["optimizer"])
             scheduler.load_state_dict(resume["scheduler"])
             fabric.strategy.precision.load_state_dict(resume.get("precision") or {})
             best = resume["best"]
@@ -278,8 +277,10 @@ class Trainer:
 
         def state(epoch: int, step: int, epoch_done: bool) -> dict[str, Any]:
             return {"epoch": epoch, "step": step, "epoch_done": epoch_done,
-                    "global_step": global_step, "trainable": method.trainable_state(),
-                    "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "global_step": global_step,
+                    "trainable": engine.trainable_state(fabric, model, method),
+                    "optimizer": engine.optimizer_state(fabric, model, optimizer),
+                    "scheduler": scheduler.state_dict(),
                     "precision": fabric.strategy.precision.state_dict(),
                     "rng": rng_state(), "epoch_rng": None if epoch_done else epoch_rng,
                     "running": (running, n), "best": best,
@@ -325,7 +326,8 @@ class Trainer:
                 log.update(val)
                 val_loss = task.val_loss(preds)
                 if self.select == "best" and val_loss < best["loss"]:
-                    best = {"loss": val_loss, "epoch": epoch, "state": method.trainable_state()}
+                    best = {"loss": val_loss, "epoch": epoch,
+                            "state": engine.trainable_state(fabric, model, method)}
             if fabric.global_rank == 0:
                 logger.log_metrics(log, step=epoch)
             bar.set_postfix(loss=f"{log['train/loss']:.4g}")
@@ -334,7 +336,7 @@ class Trainer:
             if stop is not None and epoch < epochs and _agreed(fabric, stop()):
                 raise Preempted(epoch + 1, 0, global_step, getattr(stop, "signum", None))
         if best["state"] is not None:
-            method.load_trainable_state(best["state"])
+            engine.load_trainable_state(fabric, model, method, best["state"])
         return {"epochs": epochs, "train_s": elapsed + time.perf_counter() - start,
                 "selected_epoch": best["epoch"], "steps_run": steps_run,
                 "resumed_at": None if resume is None else
