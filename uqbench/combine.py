@@ -45,13 +45,12 @@ from uqbench.configs import USER_ERRORS, build
 from uqbench.evaluation import score
 from uqbench.results import write_stage
 from uqbench.runfolder import (
-    ConfigMismatchError,
     RunLock,
-    differences,
     identity,
     new_stage,
     publish,
     recover,
+    reuse,
     stored_config,
 )
 
@@ -279,26 +278,12 @@ def ensemble_results(members: list[Member], config: dict[str, Any], run: str,
 
 def existing(folder: Path, config: dict[str, Any], overwrite: bool, skip_existing: bool
              ) -> dict[str, Any] | None:
-    """The runner's rule for a folder that already holds results: another configuration is
-    refused; the same one is returned with skip_existing, replaced with overwrite, and refused
-    otherwise. None: write the folder."""
-    path = folder / "results.json"
-    if not path.exists():
-        return None
-    stored = stored_config(folder)
-    diff = differences(stored, config) if stored else ["config.yaml is missing or unreadable"]
-    if diff:
-        raise ConfigMismatchError(f"{folder} holds the results of another configuration:\n  "
-                                  + "\n  ".join(diff) + "\ngive the ensemble another folder "
-                                  "(--out <folder>) or delete that one")
-    if skip_existing and not overwrite:
+    """The runner's rule for a folder that already holds results (uqbench.runfolder.reuse)."""
+    kept = reuse(folder, config, overwrite, skip_existing,
+                 flags=("--overwrite", "--skip-existing", "--out <folder>"))
+    if kept is not None:
         log.info("skip: %s holds this ensemble's results (--skip-existing)", folder)
-        return json.loads(path.read_text())
-    if not overwrite:
-        raise FileExistsError(f"{path} already exists for this configuration (a one-process "
-                              f"run, or an earlier combine). Pass --overwrite to replace it, "
-                              f"--skip-existing to keep it, or --out <folder>.")
-    return None
+    return kept
 
 
 def _member_lock(folder: Path) -> contextlib.AbstractContextManager:

@@ -38,6 +38,7 @@ from uqbench.loggers import NullLogger
 from uqbench.results import group_settings, run_header, write_stage
 from uqbench.runfolder import (
     ConfigMismatchError,
+    RunExistsError,
     RunLock,
     differences,
     new_stage,
@@ -45,13 +46,10 @@ from uqbench.runfolder import (
     recover,
     stored_config,
 )
+from uqbench.runfolder import reuse as reuse_folder
 from uqbench.training import Preempted
 
 log = logging.getLogger("uqbench")
-
-
-class RunExistsError(FileExistsError):
-    pass
 
 
 JOBS = ("train", "params", "eval")
@@ -136,25 +134,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 def reuse(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     """A finished run's results where skip_existing may return them; None where this job
     runs. Refuses a folder holding another configuration, whatever the flags."""
-    results_path = run_dir / "results.json"
-    if not results_path.exists():
-        return None
-    stored = stored_config(run_dir)
-    diff = (differences(stored, OmegaConf.to_container(cfg, resolve=True)) if stored
-            else ["config.yaml is missing or unreadable"])
-    if diff:
-        raise ConfigMismatchError(
-            f"{run_dir} holds the results of another configuration:\n  " + "\n  ".join(diff)
-            + "\nskip_existing and overwrite act only on the same configuration: give this "
-              "run its own folder (run_name=<name>) or delete that one")
-    if cfg.skip_existing and not cfg.overwrite:
+    kept = reuse_folder(run_dir, OmegaConf.to_container(cfg, resolve=True), cfg.overwrite,
+                        cfg.skip_existing)
+    if kept is not None:
         log.info("skip: %s holds this configuration's results (skip_existing=true)", run_dir)
-        return json.loads(results_path.read_text())
-    if not cfg.overwrite:
-        raise RunExistsError(
-            f"{results_path} already exists for this configuration. Pass overwrite=true to "
-            f"replace it, skip_existing=true to keep it and move on, or run_name=<new name>.")
-    return None
+    return kept
 
 
 def publish_run(cfg: DictConfig, run_dir: Path, config: dict, results: dict,

@@ -50,6 +50,11 @@ class ConfigMismatchError(FileExistsError):
     """The run folder holds results of a different configuration."""
 
 
+class RunExistsError(FileExistsError):
+    """The run folder holds this configuration's results and neither reuse nor replacing them
+    was asked for."""
+
+
 # --- one job per folder ---------------------------------------------------------------------------
 
 class RunLock:
@@ -209,6 +214,36 @@ def differences(stored: dict[str, Any], requested: dict[str, Any], limit: int = 
     lines = [f"{k}: {a.get(k, '<absent>')!r} (stored) → {b.get(k, '<absent>')!r} (requested)"
              for k in keys[:limit]]
     return lines + ([f"… and {len(keys) - limit} more"] if len(keys) > limit else [])
+
+
+def reuse(run_dir: Path, requested: dict[str, Any], overwrite: bool, skip_existing: bool,
+          flags: tuple[str, str, str] = ("overwrite=true", "skip_existing=true",
+                                         "run_name=<name>")) -> dict[str, Any] | None:
+    """The rule for a folder that already holds results: another configuration is refused with
+    the differences, whatever the flags; the same one is returned with ``skip_existing``,
+    replaced with ``overwrite`` (None: write the folder) and refused otherwise. ``flags``: how
+    the caller spells overwrite, skip_existing and "another folder" in its messages."""
+    import json
+
+    results_path = run_dir / "results.json"
+    if not results_path.exists():
+        return None
+    stored = stored_config(run_dir)
+    diff = (differences(stored, requested) if stored
+            else ["config.yaml is missing or unreadable"])
+    replace, keep, elsewhere = flags
+    if diff:
+        raise ConfigMismatchError(
+            f"{run_dir} holds the results of another configuration:\n  " + "\n  ".join(diff)
+            + f"\n{keep.split('=')[0]} and {replace.split('=')[0]} act only on the same "
+              f"configuration: give this run its own folder ({elsewhere}) or delete that one")
+    if skip_existing and not overwrite:
+        return json.loads(results_path.read_text())
+    if not overwrite:
+        raise RunExistsError(
+            f"{results_path} already exists for this configuration. Pass {replace} to replace "
+            f"it, {keep} to keep it and move on, or {elsewhere}.")
+    return None
 
 
 def stored_config(run_dir: Path) -> dict[str, Any] | None:
