@@ -175,6 +175,11 @@ class EnsembleMethod(Method):
         G, B, C = logits.shape
         return F.cross_entropy(logits.reshape(G * B, C).float(), y.repeat(G))
 
+    def frozen_tensors(self) -> list[nn.Parameter]:
+        """The wrappers' derived frozen tensors (``MemberLinear.frozen_names``)."""
+        return [t for m in self.modules() if isinstance(m, MemberLinear)
+                for t in m.frozen_tensors()]
+
     # -- reporting -----------------------------------------------------------------------------
     def settings(self) -> dict[str, Any]:
         return {"members": self.members, "head_from_lm": self.head_from_lm}
@@ -189,11 +194,15 @@ class EnsembleMethod(Method):
         dropped, e.g. SVE's decomposed W): what the ensemble stores beyond one pretrained model
         (SVE: M sets of singular values and biases; LoRA: M (A, B) pairs; Deep Ensemble: M − 1
         backbone copies). overhead_pct = 100 · added / base.
-        *_bytes: memory at the dtypes used; buffer_bytes: e.g. SVE's frozen U and V factors;
+        *_bytes: memory at the dtypes used; buffer_bytes: the buffers and the frozen tensors
+        the wrappers derive (``frozen_names``: SVE's U and V factors, held as frozen parameters
+        so that FSDP shards them, but not parameters of the model);
         memory_bytes = param_bytes + buffer_bytes.
         """
-        params = list(self.parameters())
-        param_bytes, buffer_bytes = nbytes(params), nbytes(self.buffers())
+        derived = {id(t) for t in self.frozen_tensors()}
+        params = [p for p in self.parameters() if id(p) not in derived]
+        param_bytes = nbytes(params)
+        buffer_bytes = nbytes(self.buffers()) + nbytes(self.frozen_tensors())
         heads = count(self.head.parameters())
         total = count(params)
         # pretrained entries a method dropped still belong to the base model
