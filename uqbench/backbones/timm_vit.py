@@ -15,7 +15,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from uqbench.backbones.base import Backbone, checkpoint_error, load_errors
+from uqbench.backbones.base import (
+    Backbone,
+    checkpoint_error,
+    load_errors,
+    outermost,
+    switched_on,
+)
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "open_clip_pytorch_model.bin")
 
@@ -36,6 +42,7 @@ class TimmViT(Backbone):
     """
 
     modality = "image"
+    supports_activation_checkpointing = True
     attention_dropouts = ("attn_drop",)
     feature_dropout = "head_drop"
 
@@ -93,6 +100,24 @@ class TimmViT(Backbone):
             return model
         return timm.create_model(self.model, pretrained=False, num_classes=0,
                                  **self.model_kwargs)
+
+    def enable_activation_checkpointing(self, model: nn.Module) -> int:
+        """timm's ``set_grad_checkpointing(True)`` on every timm model inside ``model``: each
+        block's activations are recomputed in the backward pass (in training mode only).
+        timm checkpoints non-reentrantly unless TIMM_REENTRANT_CKPT says otherwise, which is
+        refused: reentrant checkpoints pass no gradient to a block whose input is frozen (the
+        patch embedding's output), so wrapped layers would silently stop training."""
+        from timm.layers import use_reentrant_ckpt
+
+        if use_reentrant_ckpt():
+            raise ValueError(f"backbone '{self.name}': timm is set to reentrant activation "
+                             f"checkpoints (TIMM_REENTRANT_CKPT), which give the wrapped "
+                             f"layers of a frozen ViT no gradient; unset TIMM_REENTRANT_CKPT")
+        found = outermost(model, lambda m: type(m).__module__.startswith("timm.")
+                          and callable(getattr(m, "set_grad_checkpointing", None)))
+        for timm_model in found:
+            timm_model.set_grad_checkpointing(True)
+        return switched_on(model, found, self.name)
 
     def _not_loaded(self, model: nn.Module, rng_state: torch.Tensor) -> list[str]:
         """Names of the randomly initialised tensors that loading left untouched: the same
