@@ -16,6 +16,9 @@ times) where and when it wants (e.g. on the ``meta`` device to count parameters)
 - Image backbones: ``data_config()`` (input_size (3, H, W), mean, std, crop_pct, interpolation).
   Text backbones: ``tokenizer()`` and ``max_length``; inputs arrive as dicts of tensors
   (``input_ids``, ``attention_mask``, optional ``token_type_ids``).
+- ``transformer_dims()``: blocks, width, attention heads and tokens per example of a
+  transformer backbone (:class:`TransformerDims`), for the training-memory estimate of
+  ``job=params``; None for backbones that are not transformers.
 - ``enable_activation_checkpointing(model)``: recompute the encoder's block activations in the
   backward pass instead of keeping them (``trainer.activation_checkpointing``), for every
   encoder this backbone built inside ``model`` (the method, with its wrapped layers). Backbones
@@ -25,9 +28,21 @@ times) where and when it wants (e.g. on the ``meta`` device to count parameters)
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+
+
+@dataclass(frozen=True)
+class TransformerDims:
+    """A transformer encoder's shape as the activation memory sees it: ``layers`` blocks of
+    width ``hidden`` with ``heads`` attention heads, over ``tokens`` positions per example."""
+
+    layers: int
+    hidden: int
+    heads: int
+    tokens: int
 
 
 class Backbone:
@@ -49,6 +64,10 @@ class Backbone:
     @property
     def feature_dim(self) -> int:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def transformer_dims(self) -> TransformerDims | None:
+        """Blocks, width, heads and tokens per example; None if not a transformer."""
+        return None
 
     def enable_activation_checkpointing(self, model: nn.Module) -> int:
         """Switch on activation checkpointing in every encoder of this backbone inside

@@ -18,6 +18,7 @@ from torch import nn
 
 from uqbench.backbones.base import (
     Backbone,
+    TransformerDims,
     checkpoint_error,
     load_errors,
     outermost,
@@ -219,6 +220,13 @@ class HFEncoder(Backbone):
     @property
     def feature_dim(self) -> int:
         return int(self.hf_config().hidden_size)
+
+    def transformer_dims(self) -> TransformerDims:
+        """Tokens: ``max_length``, every sequence taken as padded to it (an upper bound)."""
+        config = self.hf_config()
+        return TransformerDims(layers=int(config.num_hidden_layers),
+                               hidden=int(config.hidden_size),
+                               heads=int(config.num_attention_heads), tokens=self.max_length)
 
     def tokenizer(self):
         """A Hugging Face tokenizer (with a pad token) for this backbone, loaded offline."""

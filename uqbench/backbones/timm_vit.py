@@ -17,6 +17,7 @@ from torch import nn
 
 from uqbench.backbones.base import (
     Backbone,
+    TransformerDims,
     checkpoint_error,
     load_errors,
     outermost,
@@ -151,6 +152,14 @@ class TimmViT(Backbone):
     @property
     def feature_dim(self) -> int:
         return int(self._shapes().num_features)
+
+    def transformer_dims(self) -> TransformerDims:
+        """Tokens: the patches at the model's img_size plus its prefix tokens ([CLS], register
+        tokens); e.g. 14 × 14 + 1 = 197 for a ViT-S/16 at 224 px."""
+        model = self._shapes()
+        tokens = model.patch_embed.num_patches + int(getattr(model, "num_prefix_tokens", 0))
+        return TransformerDims(layers=len(model.blocks), hidden=int(model.embed_dim),
+                               heads=int(model.blocks[0].attn.num_heads), tokens=int(tokens))
 
     def data_config(self) -> dict[str, Any]:
         """input_size (3, H, W), mean, std, crop_pct, interpolation (and crop_mode).

@@ -150,6 +150,14 @@ class EnsembleMethod(Method):
         for p in self.trainable_parameters().values():
             p.requires_grad_(True)
 
+    def training_passes(self) -> int:
+        """Encoder passes per example whose activations a training step keeps for the backward
+        pass (the training-memory estimate of ``job=params``): M (the members in the batch, or
+        M encoder copies); 0 when only the heads train (nothing to back-propagate into)."""
+        head = {id(p) for p in self.head.parameters()}
+        trains_encoder = any(id(p) not in head for p in self.trainable_parameters().values())
+        return self.members if trains_encoder else 0
+
     # -- forward and loss ----------------------------------------------------------------------
     def features(self, inputs: Inputs) -> torch.Tensor:
         """inputs (B, …) or a dict of (B, T) tensors → member-major features (M·B, D)."""

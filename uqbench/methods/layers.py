@@ -100,6 +100,12 @@ class MemberLinear(nn.Module):
         found = (getattr(self, name) for name in self.adapter_names)
         return [p for p in found if p is not None]
 
+    def saved_values(self, rows: int) -> int:
+        """Values the wrapper keeps for the backward pass beyond its input, all members
+        together, when each member sees ``rows`` input rows (the training-memory estimate);
+        0 here."""
+        return 0
+
     def frozen_tensors(self) -> list[nn.Parameter]:
         """The parameters named in ``frozen_names``, in declaration order."""
         return [getattr(self, name) for name in self.frozen_names]

@@ -139,6 +139,13 @@ class SVELinear(MemberLinear):
         f = self.flops(rows)
         return "factorized" if f["factorized"] <= f["materialized"] else "materialized"
 
+    def saved_values(self, rows: int) -> int:
+        """Factorised: x V (M, N, r), kept for the gradient of s_m; materialised: the member
+        weights (M, out, in). U and V are frozen, so nothing else is kept."""
+        if self.mode(rows) == "factorized":
+            return self.members * rows * self.sve_s[0].numel()
+        return self.members * self.out_features * self.in_features
+
     def member_weights(self) -> torch.Tensor:
         """W_m = U diag(s_m) Vᵀ for all members: (M, out, in)."""
         s = self.singular_values(self.sve_U.dtype)
