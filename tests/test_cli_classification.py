@@ -109,6 +109,12 @@ def test_overhead_job_writes_params_and_the_table_shows_the_paper(tmp_path):
     assert float(rows["sve"]["overhead % (paper)"]) == pytest.approx(1.0)  # P1's ≈ 1.0 %
     assert float(rows["deep_ensemble"]["overhead %"]) == pytest.approx(700)
     assert float(rows["deep_ensemble"]["overhead % (paper)"]) == pytest.approx(700)
+    # the training-memory estimate lands in results.json and in the table
+    memory = res["memory"]
+    assert memory["batch_size"] == 16 and memory["optimizer"] == "AdamW"   # P1's recipe
+    assert rows["sve"]["FSDP 8 GPUs (per GPU)"] == \
+        f"{memory['layouts']['fsdp8']['bytes']['total'] / 1e9:.1f}"
+    assert rows["sve"]["train GB 1 GPU"] == f"{memory['bytes']['total'] / 1e9:.1f}"
 
 
 def test_paper_table_shows_ours_beside_the_papers(tmp_path):

@@ -26,7 +26,10 @@ TRAINS = {"sve": ("encoder.", "head."), "svf": ("encoder.", "head."),
           "lora_ensemble": ("encoder.", "head."), "deep_ensemble": ("de_encoders.", "head."),
           "deep_ensemble_lp": ("head.",), "mc_dropout": ("encoder.", "head."),
           "single": ("encoder.", "head.")}
-OWN = {"sve": "sve_", "svf": "sve_", "lora_ensemble": "lora_"}  # adapter params inside encoder
+# The adapter parameters inside the encoder (SVE's frozen factors sve_U, sve_V, sve_s0 are
+# parameters too, but never train).
+OWN = {"sve": ("sve_s", "sve_bias"), "svf": ("sve_s", "sve_bias"),
+       "lora_ensemble": ("lora_A", "lora_B")}
 pytestmark = pytest.mark.usefixtures("one_thread")
 INFO = DataInfo(task="classification", num_classes=3)
 
@@ -123,7 +126,8 @@ def test_one_step_trains_only_the_methods_parameters(cfg, text_batch, backbone, 
     named = dict(m.named_parameters())
     trainable = {n for n, p in named.items() if p.requires_grad}
     expected = {n for n in named if n.startswith(TRAINS[method])
-                and (method not in OWN or n.startswith("head.") or OWN[method] in n)}
+                and (method not in OWN or n.startswith("head.")
+                     or n.rpartition(".")[2] in OWN[method])}
     assert trainable == expected
     before = {n: p.detach().clone() for n, p in named.items()}
     m.train()
@@ -521,3 +525,59 @@ def test_sve_releasing_the_pretrained_weights_changes_memory_not_outputs(cfg, te
     pk, pl = kept.param_counts(), lean.param_counts()
     assert pk["param_bytes"] - pl["param_bytes"] == dropped > 0
     assert pk["added"] == pl["added"] and pk["trainable"] == pl["trainable"]
+
+
+# --- SVE's frozen factors: where they live and what they count as ----------------------------
+
+# tiny_vit by hand: d = 16, 2 blocks of qkv (16 → 48), proj (16 → 16), fc1 (16 → 32),
+# fc2 (32 → 16); every matrix has rank 16. Per member and block, fused: 4·16 singular values
+# and 48 + 16 + 32 + 16 biases; split: q, k, v apart, 6·16 singular values. Heads: 3 × (16 + 1).
+TINY_VIT_WRAPPED = 2 * (16 * 48 + 48 + 16 * 16 + 16 + 16 * 32 + 32 + 32 * 16 + 16)
+TINY_VIT_SVE = {"sve": 4 * 2 * (4 * 16 + 112) + 4 * 3 * 17,
+                "sve_split": 4 * 2 * (6 * 16 + 112) + 4 * 3 * 17}
+DEVICES = ["meta", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("method", ["sve", "sve_split"])
+def test_sve_factors_are_frozen_parameters_on_the_weights_device(cfg, device, method):
+    """The runner places the backbone before the method wraps it: the SVD and every factor
+    stay on that device; U, V and s0 are parameters (FSDP shards only those) that never train,
+    are not in trainable_state and are not counted as the model's parameters."""
+    c = cfg("backbone=tiny_vit", f"method={method}")
+    bb = instantiate(c.backbone)
+    base = sum(p.numel() for p in bb.build().parameters())
+    make = bb.build
+    bb.build = lambda: make().to(device)
+    torch.manual_seed(0)
+    m = instantiate(c.method)(backbone=bb, info=INFO)
+    layers = m.layers()
+    assert len(layers) == 8
+    for layer in layers:
+        for name in ("sve_U", "sve_V", "sve_s0"):
+            t = getattr(layer, name)
+            assert isinstance(t, nn.Parameter) and not t.requires_grad, name
+            assert t.device.type == device and t.dtype == torch.float32, name
+        assert layer.sve_s.device.type == device and layer.sve_s.requires_grad
+    assert {p.device.type for p in m.parameters()} == {device}
+    factors = {n for n, _ in m.named_parameters()
+               if n.rpartition(".")[2] in ("sve_U", "sve_V", "sve_s0")}
+    assert len(factors) == 3 * 8
+    state = m.trainable_state()
+    assert not factors & set(state)
+    assert sum(t.numel() for t in state.values()) == TINY_VIT_SVE[method]
+    counts = m.param_counts()
+    assert counts["trainable"] == TINY_VIT_SVE[method]
+    assert counts["total"] == base - TINY_VIT_WRAPPED + TINY_VIT_SVE[method]
+
+
+def test_sve_decomposes_16_bit_weights_in_float32_and_keeps_their_dtype(cfg):
+    m, ref = build(cfg, "tiny_llama", "sve", "backbone.dtype=bfloat16", reference=True)
+    W = ref.model.layers[0].self_attn.q_proj.weight                          # (16, 16) bf16
+    U, s, Vh = torch.linalg.svd(W.float(), full_matrices=False)
+    layer = m.encoder.model.layers[0].self_attn.q_proj
+    assert layer.sve_U.dtype == layer.sve_V.dtype == torch.bfloat16
+    assert torch.equal(layer.sve_U, U.to(torch.bfloat16))
+    assert torch.equal(layer.sve_V, Vh.mT.to(torch.bfloat16))
+    assert torch.equal(layer.sve_s0, s.to(torch.bfloat16))
+    assert layer.sve_s.dtype == torch.float32                                # trained: float32

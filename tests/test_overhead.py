@@ -136,3 +136,23 @@ def test_deep_ensemble_copies_the_whole_model(job):
     assert de["params"]["added"] == 3 * vit_s16_base()
     assert de["params"]["trainable"] == 4 * vit_s16_base() + de["params"]["heads"]
     assert de["params"]["heads"] == 4 * (384 * 2 + 2)
+
+
+def test_llama_sve_training_memory_fits_one_80gb_gpu_with_checkpointing(job):
+    """P1's recipe (AdamW, batch 16, M = 16 in one batch, 256 tokens) on LLaMA-2-7B: the bf16
+    embeddings, RMSNorms, U, V and s0 are held frozen; the float32 singular values and heads
+    each carry a gradient and two AdamW states; with full recomputation each of the 32 blocks
+    keeps its input, 2·s·b·h bytes (Korthikanti et al. 2022) with b = 16 · 16 rows."""
+    mem = job("llama2_7b", "sve")["memory"]
+    d, f, L, M = 4096, 11008, 32, 16
+    uv = 4 * (d * d + d * d) + 2 * (f * d + d * d) + (d * d + f * d)
+    frozen = 2 * (32_000 * d + (2 * L + 1) * d + L * (uv + 7 * d))
+    trained = 4 * (M * L * 7 * d + M * (2 * d + 2))
+    ckpt = mem["layouts"]["ckpt"]["bytes"]
+    assert ckpt["frozen_params"] == frozen and ckpt["trained_params"] == trained
+    assert ckpt["optimizer"] == 2 * trained
+    assert ckpt["activations_blocks"] == 2 * 256 * (16 * M) * d * L
+    assert ckpt["total"] == frozen + 4 * trained + 2 * 2 * 64 + 2 * 256 * 16 * M * d * L
+    assert ckpt["total"] < 80e9 < mem["bytes"]["total"]  # fits only with checkpointing
+    fsdp8 = mem["layouts"]["fsdp8"]["bytes"]
+    assert fsdp8["frozen_params"] == frozen // 8

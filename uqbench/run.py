@@ -250,9 +250,11 @@ def build_parts(cfg: DictConfig, device: torch.device, activation_checkpointing:
     backbone = build(cfg.backbone)
     data.setup(backbone)
     backbone.device = device  # methods decompose and copy pretrained weights where they run
-    if activation_checkpointing:
-        backbone.enable_activation_checkpointing()
+    if activation_checkpointing and not backbone.supports_activation_checkpointing:
+        backbone.enable_activation_checkpointing(None)  # refuses, naming the backbones that can
     method = method_factory(backbone=backbone, info=data.info).to(device)
+    if activation_checkpointing:
+        backbone.enable_activation_checkpointing(method)
     return method, data, task, backbone
 
 

@@ -16,19 +16,39 @@ times) where and when it wants (e.g. on the ``meta`` device to count parameters)
 - Image backbones: ``data_config()`` (input_size (3, H, W), mean, std, crop_pct, interpolation).
   Text backbones: ``tokenizer()`` and ``max_length``; inputs arrive as dicts of tensors
   (``input_ids``, ``attention_mask``, optional ``token_type_ids``).
+- ``transformer_dims()``: blocks, width, attention heads and tokens per example of a
+  transformer backbone (:class:`TransformerDims`), for the training-memory estimate of
+  ``job=params``; None for backbones that are not transformers.
+- ``enable_activation_checkpointing(model)``: recompute the encoder's block activations in the
+  backward pass instead of keeping them (``trainer.activation_checkpointing``), for every
+  encoder this backbone built inside ``model`` (the method, with its wrapped layers). Backbones
+  that cannot (``supports_activation_checkpointing`` false) raise a ValueError.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 
+@dataclass(frozen=True)
+class TransformerDims:
+    """A transformer encoder's shape as the activation memory sees it: ``layers`` blocks of
+    width ``hidden`` with ``heads`` attention heads, over ``tokens`` positions per example."""
+
+    layers: int
+    hidden: int
+    heads: int
+    tokens: int
+
+
 class Backbone:
     name: str = "backbone"
     modality: str = "image"  # image | text | tabular
+    supports_activation_checkpointing: bool = False
     # Where the run trains (set by the runner): methods move the built encoder there before
     # wrapping it, so that decompositions (SVE's SVD) run on the target device.
     device: Any = None
@@ -47,6 +67,22 @@ class Backbone:
     @property
     def feature_dim(self) -> int:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def transformer_dims(self) -> TransformerDims | None:
+        """Blocks, width, heads and tokens per example; None if not a transformer."""
+        return None
+
+    def enable_activation_checkpointing(self, model: nn.Module) -> int:
+        """Switch on activation checkpointing in every encoder of this backbone inside
+        ``model``; returns how many. Non-reentrant: it works with frozen inputs and wrapped
+        layers, and dropout draws the same masks when a block is recomputed."""
+        from uqbench.configs import options_where
+
+        able = ", ".join(options_where("backbone", "supports_activation_checkpointing", True))
+        raise ValueError(
+            f"backbone '{self.name}' ({type(self).__name__}) cannot checkpoint activations "
+            f"(trainer.activation_checkpointing=true); the backbones that can: "
+            f"{able or '<none found>'}. Set trainer.activation_checkpointing=false.")
 
     def details(self) -> dict[str, Any]:
         """Facts about this backbone beyond its config, recorded in results.json under
@@ -70,6 +106,26 @@ def load_errors() -> tuple[type[BaseException], ...]:
 
     return (SafetensorError, pickle.UnpicklingError, EOFError, RuntimeError, KeyError,
             ValueError, OSError)
+
+
+def outermost(model: nn.Module, keep: Any) -> list[nn.Module]:
+    """The modules of ``model`` for which ``keep(module)`` holds that are not inside another
+    such module, in ``named_modules`` order."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if keep(module) and not any(not n or name.startswith(f"{n}.") for n, _ in found):
+            found.append((name, module))
+    return [module for _, module in found]
+
+
+def switched_on(model: nn.Module, found: list[nn.Module], backbone: str) -> int:
+    """``len(found)``, or a ValueError when ``model`` holds no encoder of the backbone."""
+    if not found:
+        raise ValueError(f"backbone '{backbone}': no encoder of it inside "
+                         f"{type(model).__name__}, so activation checkpointing cannot be "
+                         f"switched on (a vectorised Deep Ensemble holds its copies as stacked "
+                         f"weights; use method.vectorize=false)")
+    return len(found)
 
 
 def checkpoint_error(backbone: str, path: object, err: BaseException,

@@ -16,7 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from uqbench.backbones.base import Backbone, checkpoint_error, load_errors
+from uqbench.backbones.base import (
+    Backbone,
+    TransformerDims,
+    checkpoint_error,
+    load_errors,
+    outermost,
+    switched_on,
+)
 
 POOLINGS = ("cls", "pooler", "last", "mean")
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
@@ -101,6 +108,7 @@ class HFEncoder(Backbone):
     """
 
     modality = "text"
+    supports_activation_checkpointing = True
 
     def __init__(self, name: str, model_type: str, config: Mapping[str, Any] | None = None,
                  config_overrides: Mapping[str, Any] | None = None, pretrained: bool = True,
@@ -180,6 +188,25 @@ class HFEncoder(Backbone):
                              f"use one of cls, last, mean")
         return PooledEncoder(model.to(self.dtype), self.pooling)
 
+    def enable_activation_checkpointing(self, model: nn.Module) -> int:
+        """Hugging Face's activation checkpointing on every transformers model inside
+        ``model``, non-reentrant (``use_reentrant: False``): each decoder/encoder layer is
+        recomputed in the backward pass (in training mode only)."""
+        from transformers import PreTrainedModel
+
+        found = outermost(model, lambda m: isinstance(m, PreTrainedModel))
+        for hf_model in found:
+            if not hf_model.supports_gradient_checkpointing:
+                raise ValueError(f"backbone '{self.name}': {type(hf_model).__name__} does not "
+                                 f"support activation checkpointing; set "
+                                 f"trainer.activation_checkpointing=false")
+            kwargs = {"use_reentrant": False}
+            if callable(getattr(hf_model, "activation_checkpointing_enable", None)):
+                hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:  # transformers < 5
+                hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        return switched_on(model, found, self.name)
+
     def output_rows(self, token_ids: Sequence[int]) -> torch.Tensor | None:
         """The causal LM's output-embedding rows of ``token_ids``, (C, hidden_size), or None
         when the backbone is not a causal LM. A head with these weights (and no bias) computes
@@ -193,6 +220,13 @@ class HFEncoder(Backbone):
     @property
     def feature_dim(self) -> int:
         return int(self.hf_config().hidden_size)
+
+    def transformer_dims(self) -> TransformerDims:
+        """Tokens: ``max_length``, every sequence taken as padded to it (an upper bound)."""
+        config = self.hf_config()
+        return TransformerDims(layers=int(config.num_hidden_layers),
+                               hidden=int(config.hidden_size),
+                               heads=int(config.num_attention_heads), tokens=self.max_length)
 
     def tokenizer(self):
         """A Hugging Face tokenizer (with a pad token) for this backbone, loaded offline."""

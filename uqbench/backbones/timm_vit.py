@@ -15,7 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from uqbench.backbones.base import Backbone, checkpoint_error, load_errors
+from uqbench.backbones.base import (
+    Backbone,
+    TransformerDims,
+    checkpoint_error,
+    load_errors,
+    outermost,
+    switched_on,
+)
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "open_clip_pytorch_model.bin")
 
@@ -36,6 +43,7 @@ class TimmViT(Backbone):
     """
 
     modality = "image"
+    supports_activation_checkpointing = True
     attention_dropouts = ("attn_drop",)
     feature_dropout = "head_drop"
 
@@ -94,6 +102,24 @@ class TimmViT(Backbone):
         return timm.create_model(self.model, pretrained=False, num_classes=0,
                                  **self.model_kwargs)
 
+    def enable_activation_checkpointing(self, model: nn.Module) -> int:
+        """timm's ``set_grad_checkpointing(True)`` on every timm model inside ``model``: each
+        block's activations are recomputed in the backward pass (in training mode only).
+        timm checkpoints non-reentrantly unless TIMM_REENTRANT_CKPT says otherwise, which is
+        refused: reentrant checkpoints pass no gradient to a block whose input is frozen (the
+        patch embedding's output), so wrapped layers would silently stop training."""
+        from timm.layers import use_reentrant_ckpt
+
+        if use_reentrant_ckpt():
+            raise ValueError(f"backbone '{self.name}': timm is set to reentrant activation "
+                             f"checkpoints (TIMM_REENTRANT_CKPT), which give the wrapped "
+                             f"layers of a frozen ViT no gradient; unset TIMM_REENTRANT_CKPT")
+        found = outermost(model, lambda m: type(m).__module__.startswith("timm.")
+                          and callable(getattr(m, "set_grad_checkpointing", None)))
+        for timm_model in found:
+            timm_model.set_grad_checkpointing(True)
+        return switched_on(model, found, self.name)
+
     def _not_loaded(self, model: nn.Module, rng_state: torch.Tensor) -> list[str]:
         """Names of the randomly initialised tensors that loading left untouched: the same
         architecture built from the same random state, compared value by value. Tensors whose
@@ -126,6 +152,14 @@ class TimmViT(Backbone):
     @property
     def feature_dim(self) -> int:
         return int(self._shapes().num_features)
+
+    def transformer_dims(self) -> TransformerDims:
+        """Tokens: the patches at the model's img_size plus its prefix tokens ([CLS], register
+        tokens); e.g. 14 × 14 + 1 = 197 for a ViT-S/16 at 224 px."""
+        model = self._shapes()
+        tokens = model.patch_embed.num_patches + int(getattr(model, "num_prefix_tokens", 0))
+        return TransformerDims(layers=len(model.blocks), hidden=int(model.embed_dim),
+                               heads=int(model.blocks[0].attn.num_heads), tokens=int(tokens))
 
     def data_config(self) -> dict[str, Any]:
         """input_size (3, H, W), mean, std, crop_pct, interpolation (and crop_mode).

@@ -152,6 +152,14 @@ class EnsembleMethod(Method):
         for p in self.trainable_parameters().values():
             p.requires_grad_(True)
 
+    def training_passes(self) -> int:
+        """Encoder passes per example whose activations a training step keeps for the backward
+        pass (the training-memory estimate of ``job=params``): M (the members in the batch, or
+        M encoder copies); 0 when only the heads train (nothing to back-propagate into)."""
+        head = {id(p) for p in self.head.parameters()}
+        trains_encoder = any(id(p) not in head for p in self.trainable_parameters().values())
+        return self.members if trains_encoder else 0
+
     # -- forward and loss ----------------------------------------------------------------------
     def features(self, inputs: Inputs) -> torch.Tensor:
         """inputs (B, …) or a dict of (B, T) tensors → member-major features (M·B, D)."""
@@ -177,6 +185,11 @@ class EnsembleMethod(Method):
         G, B, C = logits.shape
         return F.cross_entropy(logits.reshape(G * B, C).float(), y.repeat(G))
 
+    def frozen_tensors(self) -> list[nn.Parameter]:
+        """The wrappers' derived frozen tensors (``MemberLinear.frozen_names``)."""
+        return [t for m in self.modules() if isinstance(m, MemberLinear)
+                for t in m.frozen_tensors()]
+
     # -- reporting -----------------------------------------------------------------------------
     def settings(self) -> dict[str, Any]:
         return {"members": self.members, "head_from_lm": self.head_from_lm}
@@ -191,11 +204,15 @@ class EnsembleMethod(Method):
         dropped, e.g. SVE's decomposed W): what the ensemble stores beyond one pretrained model
         (SVE: M sets of singular values and biases; LoRA: M (A, B) pairs; Deep Ensemble: M − 1
         backbone copies). overhead_pct = 100 · added / base.
-        *_bytes: memory at the dtypes used; buffer_bytes: e.g. SVE's frozen U and V factors;
+        *_bytes: memory at the dtypes used; buffer_bytes: the buffers and the frozen tensors
+        the wrappers derive (``frozen_names``: SVE's U and V factors, held as frozen parameters
+        so that FSDP shards them, but not parameters of the model);
         memory_bytes = param_bytes + buffer_bytes.
         """
-        params = list(self.parameters())
-        param_bytes, buffer_bytes = nbytes(params), nbytes(self.buffers())
+        derived = {id(t) for t in self.frozen_tensors()}
+        params = [p for p in self.parameters() if id(p) not in derived]
+        param_bytes = nbytes(params)
+        buffer_bytes = nbytes(self.buffers()) + nbytes(self.frozen_tensors())
         heads = count(self.head.parameters())
         total = count(params)
         # pretrained entries a method dropped still belong to the base model

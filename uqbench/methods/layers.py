@@ -64,16 +64,29 @@ def split_members(x: torch.Tensor, members: int) -> torch.Tensor:
     return x.reshape(members, -1, x.shape[-1])
 
 
+def frozen(tensor: torch.Tensor) -> nn.Parameter:
+    """``tensor`` as a parameter that never trains (requires_grad False).
+
+    Large frozen tensors a method derives (SVE's U and V) are parameters, not buffers, because
+    FSDP shards parameters only: as buffers every device would hold all of them. Wrappers list
+    them in ``frozen_names``, so that they are counted apart from the model's parameters.
+    """
+    return nn.Parameter(tensor, requires_grad=False)
+
+
 class MemberLinear(nn.Module):
     """Base of the member-aware wrappers of a frozen ``nn.Linear`` (``base_layer``).
 
     Input (M·B, …, in_features) in member-major order, output (M·B, …, out_features); member m's
     parameters act on rows m·B:(m+1)·B. ``adapter_names``: the names of the parameters the
     wrapper adds and trains (an entry may be None, e.g. the bias of a bias-free layer); the
-    wrapped layer's own parameters stay frozen.
+    wrapped layer's own parameters stay frozen. ``frozen_names``: the frozen tensors the
+    wrapper derives from the wrapped layer (:func:`frozen` parameters, e.g. SVE's factors):
+    held like parameters, counted like buffers.
     """
 
     adapter_names: tuple[str, ...] = ()
+    frozen_names: tuple[str, ...] = ()
 
     def __init__(self, base_layer: nn.Linear, members: int) -> None:
         super().__init__()
@@ -86,6 +99,16 @@ class MemberLinear(nn.Module):
         """The parameters named in ``adapter_names`` that exist, in declaration order."""
         found = (getattr(self, name) for name in self.adapter_names)
         return [p for p in found if p is not None]
+
+    def saved_values(self, rows: int) -> int:
+        """Values the wrapper keeps for the backward pass beyond its input, all members
+        together, when each member sees ``rows`` input rows (the training-memory estimate);
+        0 here."""
+        return 0
+
+    def frozen_tensors(self) -> list[nn.Parameter]:
+        """The parameters named in ``frozen_names``, in declaration order."""
+        return [getattr(self, name) for name in self.frozen_names]
 
     def extra_repr(self) -> str:
         return f"members={self.members}, in={self.in_features}, out={self.out_features}"

@@ -50,6 +50,11 @@ class LoRALinear(MemberLinear):
             torch.empty(members, rank, self.in_features, device=device).uniform_(-bound, bound))
         self.lora_B = nn.Parameter(torch.zeros(members, self.out_features, rank, device=device))
 
+    def saved_values(self, rows: int) -> int:
+        """x A_mᵀ (M, N, r) per member's rows (per q, k, v block when split), kept for the
+        gradient of B_m."""
+        return self.members * rows * self.lora_A[0].numel() // self.in_features
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)                                                   # (M·B, …, out)
         xm = split_members(x, self.members)                                      # (M, N, in)

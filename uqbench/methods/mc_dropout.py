@@ -98,6 +98,10 @@ class MCDropout(EnsembleMethod):
                 m.train(True)
         return self
 
+    def training_passes(self) -> int:
+        """One pass per example in training (0 when only the head trains)."""
+        return min(1, super().training_passes())
+
     def passes(self) -> int:
         """Stochastic passes per call: 1 in training, T in evaluation."""
         return 1 if self.training else self.members

@@ -1,7 +1,8 @@
 """SVE — Singular Value Ensemble (P1), and SVF, its single-member ablation.
 
 Each targeted pretrained linear layer W (out×in) with bias b is decomposed once,
-W = U diag(s) Vᵀ (float32 SVD, r = min(out, in)); U and V are frozen and shared by all members.
+W = U diag(s) Vᵀ (float32 SVD on W's device, r = min(out, in)); U and V are frozen and shared
+by all members, held as frozen parameters (requires_grad False) so that FSDP shards them.
 Member m owns singular values s_m (r) and a bias b_m (out), initialised
 s_m = s ⊙ (1 + ε_m), ε_m ~ N(0, σ_init² I), and b_m = b + σ_init·N(0, I) (no bias for bias-free
 layers). With σ_init = 0 every member reproduces the pretrained layer.
@@ -28,6 +29,7 @@ from uqbench.methods.ensemble import EnsembleMethod, check_sigma
 from uqbench.methods.layers import (
     MemberLinear,
     check_qkv,
+    frozen,
     fused_qkv,
     replace_linears,
     resolve_targets,
@@ -40,7 +42,9 @@ FORWARD_MODES = ("auto", "factorized", "materialized")
 
 def svd(weight: torch.Tensor, cache: Path | None = None, key: str = ""
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """U (out, r), s (r,), V (in, r) of W = U diag(s) Vᵀ, computed in float32.
+    """U (out, r), s (r,), V (in, r) of W = U diag(s) Vᵀ, computed in float32 on W's device
+    (the runner places the backbone before the method wraps it, so a GPU decomposes; CUDA has
+    no 16-bit SVD, hence float32 whatever W's dtype).
 
     With ``cache`` set the factors are stored as ``<cache>/<key>.pt`` and reused when the
     weight's fingerprint (shape, dtype, a hash of the values) still matches.
@@ -72,9 +76,9 @@ class SVELinear(MemberLinear):
     Both give the same numbers; ``forward_mode=auto`` picks the one with fewer FLOPs for the
     number of rows N per member: N·r·(in + out) against out·r·in + N·in·out.
 
-    Buffers (frozen, not saved in state_dict): sve_U (out, r), sve_V (in, r), sve_s0 (r,).
-    Parameters (float32, the ``adapter_names``): sve_s (M, r), sve_bias (M, out) or None for
-    bias-free layers.
+    Frozen parameters (the ``frozen_names``, requires_grad False, in W's dtype and on W's
+    device): sve_U (out, r), sve_V (in, r), sve_s0 (r,). Trained parameters (float32, the
+    ``adapter_names``): sve_s (M, r), sve_bias (M, out) or None for bias-free layers.
 
     ``release_pretrained``: drop the wrapped layer's W and b once decomposed (the forward never
     reads them): U and V replace W, so the layer costs (out + in)·r instead of out·in + (out + in)·r
@@ -84,6 +88,7 @@ class SVELinear(MemberLinear):
     """
 
     adapter_names = ("sve_s", "sve_bias")
+    frozen_names = ("sve_U", "sve_V", "sve_s0")
 
     def __init__(self, base_layer: nn.Linear, members: int, sigma_init: float,
                  forward_mode: str = "auto", cache: Path | None = None, key: str = "",
@@ -94,9 +99,11 @@ class SVELinear(MemberLinear):
         W = base_layer.weight
         U, s, V = self.decompose(W, cache, key)
         self.rank = s.shape[-1]
-        self.register_buffer("sve_U", U.to(W.dtype), persistent=False)
-        self.register_buffer("sve_V", V.to(W.dtype), persistent=False)
-        self.register_buffer("sve_s0", s.to(W.dtype), persistent=False)
+        # frozen parameters, not buffers: FSDP shards parameters only (U and V are most of the
+        # layer's memory); the factors are on W's device and in W's dtype
+        self.sve_U = frozen(U.to(W.dtype))                                      # (out, r)
+        self.sve_V = frozen(V.to(W.dtype))                                      # (in, r)
+        self.sve_s0 = frozen(s.to(W.dtype))                                     # (r,)
         eps = torch.randn(members, *s.shape, device=W.device) * sigma_init
         self.sve_s = nn.Parameter(s.float() * (1 + eps))             # (M, r) or (M, 3, r)
         if base_layer.bias is not None:
@@ -132,6 +139,13 @@ class SVELinear(MemberLinear):
         f = self.flops(rows)
         return "factorized" if f["factorized"] <= f["materialized"] else "materialized"
 
+    def saved_values(self, rows: int) -> int:
+        """Factorised: x V (M, N, r), kept for the gradient of s_m; materialised: the member
+        weights (M, out, in). U and V are frozen, so nothing else is kept."""
+        if self.mode(rows) == "factorized":
+            return self.members * rows * self.sve_s[0].numel()
+        return self.members * self.out_features * self.in_features
+
     def member_weights(self) -> torch.Tensor:
         """W_m = U diag(s_m) Vᵀ for all members: (M, out, in)."""
         s = self.singular_values(self.sve_U.dtype)
@@ -157,8 +171,8 @@ class SplitSVELinear(SVELinear):
     """SVE on a fused q/k/v layer with q, k and v decomposed apart (``qkv: split``).
 
     The wrapped weight (3·o, in) holds W_q, W_k, W_v (o × in each) stacked along the outputs;
-    each gets its own float32 SVD W_j = U_j diag(s_j) V_jᵀ, r = min(o, in). Buffers: sve_U
-    (3, o, r), sve_V (3, in, r), sve_s0 (3, r). Parameters: sve_s (M, 3, r), sve_bias (M, 3·o).
+    each gets its own float32 SVD W_j = U_j diag(s_j) V_jᵀ, r = min(o, in). Frozen: sve_U
+    (3, o, r), sve_V (3, in, r), sve_s0 (3, r). Trained: sve_s (M, 3, r), sve_bias (M, 3·o).
     Input (M·B, …, in) member-major, output (M·B, …, 3·o): member m computes
         factorised:   y_j = ((x V_j) ⊙ s_mj) U_jᵀ,  y = [y_q, y_k, y_v] + b_m
         materialised: y = x W_mᵀ + b_m,  W_m = [U_j diag(s_mj) V_jᵀ]_j stacked  (3·o, in)
