@@ -72,6 +72,7 @@ def test_slurm_gpu_sbatch_asks_for_gpus_and_a_warning_signal(compose_cfg, monkey
     flags = sbatch_flags(script)
     assert flags["gpus-per-node"] == "4" and flags["ntasks-per-node"] == "4"
     assert flags["nodes"] == "1" and flags["partition"] == "gpu"
+    assert flags["job-name"] == "uqbench-default"
     assert flags["signal"] == "USR2@300"  # submitit requeues on USR2
     assert flags["time"] == "720" and flags["cpus-per-task"] == "8" and flags["mem"] == "64GB"
     assert flags["array"] == "0-2%3"  # three jobs, all at once (at most 32)
