@@ -58,7 +58,7 @@ def test_slurm_gpu_follows_the_trainers_devices(compose_cfg):
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
     assert (launcher.gpus_per_node, launcher.tasks_per_node, launcher.nodes) == (4, 4, 2)
-    # a time-out must leave time to save a checkpoint, and the requeued job must be allowed
+    # the warning must come early enough for submitit to requeue, and a timed-out job be requeued
     assert launcher.signal_delay_s >= 60 and launcher.max_num_timeout >= 1
     cfg = compose_cfg(["hydra/launcher=slurm_gpu", "hydra.launcher.gpus_per_node=2"],
                       return_hydra_config=True)
@@ -102,7 +102,7 @@ TINY_SWEEP = ("-m", "dataset=polynomial", "method=bnn", "trainer.epochs=2", "see
 
 
 def test_local_preset_runs_each_job_on_one_thread(tmp_path, monkeypatch):
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # the shell's setting would win
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # a shell's setting would be kept
         monkeypatch.delenv(var, raising=False)
     uqbench(*TINY_SWEEP, "hydra/launcher=local", f"paths.runs_dir={tmp_path}")
     results = seed_results(tmp_path)
