@@ -28,7 +28,7 @@ setup: $(STAMP)  ## Create .venv and install uqbench with pinned dependencies
 demo: $(STAMP)  ## P2 width sweep (embedded vs learned variance) and P1 parameter overhead, with tables
 	$(BIN)/uqbench experiment=p1_overhead skip_existing=true
 	$(BIN)/uqbench experiment=p2_width_sweep seed=0,1 skip_existing=true trainer.progress=false \
-		hydra/launcher=joblib
+		hydra/launcher=local
 	$(BIN)/uqbench-tables --experiment p1_overhead
 	$(BIN)/uqbench-tables --experiment p2_width_sweep
 	@echo "Figures: tables/p2_width_sweep.png (NLL vs parameters) and one per run:"
@@ -63,7 +63,7 @@ clean-runs:  ## Delete runs/ (asks first)
 digits-pretrain: $(STAMP)  ## Pretrain the digits ViTs (weak, strong) into the cache; print each level's linear probe
 	$(BIN)/uqbench-pretrain
 
-DIGITS_SWEEP := skip_existing=true trainer.progress=false hydra/launcher=joblib
+DIGITS_SWEEP := skip_existing=true trainer.progress=false hydra/launcher=local
 
 p1-digits-lr: digits-pretrain  ## The digits benchmark's learning-rate grid (validation only); prints the choice
 	$(BIN)/uqbench experiment=p1_digits_lr $(DIGITS_SWEEP)

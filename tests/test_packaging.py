@@ -16,7 +16,13 @@ def test_every_package_folder_is_listed():
     assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
     assert meta["package-dir"]["uqbench.conf"] == "conf"
     assert (ROOT / "conf" / "__init__.py").exists()
-    groups = {f"uqbench.conf.{p.name}" for p in (ROOT / "conf").iterdir()
-              if p.is_dir() and not p.name.startswith("__")}
+    # config folders at any depth (trainer/engine, Hydra's own hydra/launcher)
+    folders = [p for p in (ROOT / "conf").rglob("*")
+               if p.is_dir() and not any(part.startswith("__") for part in p.parts)]
+    groups = {"uqbench.conf." + ".".join(p.relative_to(ROOT / "conf").parts) for p in folders}
+    assert "uqbench.conf.hydra.launcher" in groups
     assert groups <= listed, f"add the config groups to packages: {sorted(groups - listed)}"
-    assert groups <= set(meta["package-data"]), sorted(groups - set(meta["package-data"]))
+    with_yaml = {"uqbench.conf." + ".".join(p.relative_to(ROOT / "conf").parts)
+                 for p in folders if any(p.glob("*.yaml"))}
+    data = set(meta["package-data"])
+    assert with_yaml <= data, f"add to package-data: {sorted(with_yaml - data)}"
