@@ -70,7 +70,8 @@ def test_the_walk_sees_the_package():
     assert "uqbench.metrics" in GRAPH["uqbench.tasks.classification"]  # `from uqbench import`
 
 
-@pytest.mark.parametrize("layer", ["metrics", "tables", "contracts", "configs", "runfolder"])
+@pytest.mark.parametrize("layer", ["metrics", "tables", "contracts", "configs", "runfolder",
+                                   "checkpoints", "fsdp"])
 def test_leaf_modules_import_nothing_of_the_project(layer):
     assert GRAPH[f"uqbench.{layer}"] == set()
 
@@ -124,3 +125,7 @@ def test_no_import_cycle():
         if module not in state:
             cycle = visit(module, [])
             assert cycle is None, "import cycle: " + " → ".join(cycle)
+
+
+def test_the_engine_builds_on_nothing_but_its_fsdp_strategy():
+    assert GRAPH["uqbench.engine"] <= {"uqbench.fsdp"}

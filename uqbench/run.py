@@ -469,6 +469,6 @@ def main() -> None:
 if __name__ == "__main__":
     # `python -m uqbench.run`: run the importable module's main, so that launchers and spawned
     # processes pickle the job's functions as uqbench.run's, not as __main__'s
-    from uqbench.run import main as _main
+    import importlib
 
-    _main()
+    importlib.import_module("uqbench.run").main()
