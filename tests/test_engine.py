@@ -148,13 +148,18 @@ def test_sigterm_writes_a_checkpoint_and_the_same_command_finishes_the_run(tmp_p
     assert resumed["metrics"] == uninterrupted(tmp_path, overrides)["metrics"]
 
 
-def test_resuming_refuses_another_configuration_and_keeps_the_checkpoint(tmp_path):
-    runs = tmp_path / "runs"
+def killed_at_step_4(runs: Path) -> Path:
+    """Run folder runs/r of a BNN run SIGKILLed right after its checkpoint at step 4."""
     env = {**os.environ, "UQBENCH_KILL_AT": "checkpoint:4"}
     subprocess.run([sys.executable, "-m", "uqbench.run", *BNN, "run_name=r",
                     f"paths.runs_dir={runs}"], env=env, capture_output=True, cwd=ROOT,
                    timeout=600)
-    ckpt = one(runs, "last.ckpt")
+    return one(runs, "last.ckpt")
+
+
+def test_resuming_refuses_another_configuration_and_keeps_the_checkpoint(tmp_path):
+    runs = tmp_path / "runs"
+    ckpt = killed_at_step_4(runs)
     before = ckpt.read_bytes()
     proc = run_cli(*BNN, "run_name=r", "trainer.optimizer.lr=0.5", f"paths.runs_dir={runs}",
                    check=False)
@@ -166,11 +171,7 @@ def test_resuming_refuses_another_configuration_and_keeps_the_checkpoint(tmp_pat
 
 def test_a_truncated_checkpoint_is_refused_named_and_kept(tmp_path):
     runs = tmp_path / "runs"
-    env = {**os.environ, "UQBENCH_KILL_AT": "checkpoint:4"}
-    subprocess.run([sys.executable, "-m", "uqbench.run", *BNN, "run_name=r",
-                    f"paths.runs_dir={runs}"], env=env, capture_output=True, cwd=ROOT,
-                   timeout=600)
-    ckpt = one(runs, "last.ckpt")
+    ckpt = killed_at_step_4(runs)
     ckpt.write_bytes(ckpt.read_bytes()[:200])
     proc = run_cli(*BNN, "run_name=r", f"paths.runs_dir={runs}", check=False)
     assert proc.returncode == 1
