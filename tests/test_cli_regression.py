@@ -70,7 +70,8 @@ def test_existing_results_are_kept_unless_asked(tmp_path):
     assert "already exists" in proc.stderr and "overwrite=true" in proc.stderr
     assert path.read_text() == before
     assert sorted(p.name for p in path.parent.iterdir()) == [
-        "config.yaml", "figure.png", "predictions", "results.json", "uqbench.log"]
+        "checkpoint.ckpt", "config.yaml", "figure.png", "predictions", "results.json",
+        "uqbench.log"]
     run_cli(*args, "skip_existing=true")
     assert path.read_text() == before
     run_cli(*args, "overwrite=true")                      # same configuration: replaced

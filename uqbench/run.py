@@ -371,8 +371,10 @@ def eval_job(cfg: DictConfig) -> dict[str, Any]:
         run_cfg.dataset, run_cfg.task = cfg.dataset, cfg.task
     for key in changed:  # dataset.<key>=<value>: on top of the run's dataset
         OmegaConf.update(run_cfg, key, OmegaConf.select(cfg, key), force_add=True)
-    for key in ("device", "torch_threads", "save_predictions"):
+    for key in ("device", "save_predictions"):
         run_cfg[key] = cfg.get(key)
+    if cfg.get("torch_threads") is not None:  # else the run's own: the same float reductions
+        run_cfg.torch_threads = cfg.torch_threads
     device, fallback = resolve_device(str(cfg.device))
     out = run_dir / "eval" / ",".join([str(run_cfg.dataset.name), *(
         f"{k}={OmegaConf.select(cfg, k)}" for k in changed)])
