@@ -34,11 +34,14 @@ demo: $(STAMP)  ## P2 width sweep (embedded vs learned variance) and P1 paramete
 	@echo "Figures: tables/p2_width_sweep.png (NLL vs parameters) and one per run:"
 	@echo "  runs/p2_width_sweep/polynomial/<bnn_embedded|bnn_learned>/mlp_w<width>/seed<k>/figure.png"
 
+# Tests run in parallel processes (pytest-xdist); TEST_WORKERS=1 runs them in one.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)  ## Run the default (fast) test suite
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS)
 
 test-slow: $(STAMP)  ## Run the slow tests only
-	$(BIN)/pytest -q -m slow
+	$(BIN)/pytest -q -n $(TEST_WORKERS) -m slow
 
 tables: $(STAMP)  ## Build every experiment's table from runs/**/results.json into tables/
 	$(BIN)/uqbench-tables
