@@ -154,6 +154,30 @@ def test_sigterm_writes_a_checkpoint_and_the_same_command_finishes_the_run(tmp_p
     assert resumed["metrics"] == uninterrupted(overrides)["metrics"]
 
 
+def test_sigterm_reaches_spawned_ddp_processes_and_the_run_resumes_exactly(tmp_path):
+    """The parent passes SIGTERM on to its two processes, which stop at the same step; rank 0's
+    checkpoint comes back, and the same command finishes as an uninterrupted DDP run."""
+    overrides = [o for o in VIT if not o.startswith("trainer.epochs")] + [
+        "trainer.epochs=12", "trainer.checkpoint_every=null", "trainer.devices=2"]
+    runs = tmp_path / "runs"
+    proc = subprocess.Popen([sys.executable, "-m", "uqbench.run", *overrides,
+                             f"paths.runs_dir={runs}"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not list(runs.rglob("last.ckpt")) and time.time() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    state = torch.load(one(runs, "last.ckpt"), weights_only=False)
+    run_cli(*overrides, f"paths.runs_dir={runs}")
+    resumed = results(runs)
+    assert resumed["train"]["resumed_at"]["global_step"] == state["global_step"] > 0
+    whole = tmp_path / "whole"
+    run_cli(*overrides, f"paths.runs_dir={whole}")
+    assert resumed["metrics"] == results(whole)["metrics"]
+
+
 def killed_at_step_4(runs: Path) -> Path:
     """Run folder runs/r of a BNN run SIGKILLed right after its checkpoint at step 4."""
     env = {**os.environ, "UQBENCH_KILL_AT": "checkpoint:4"}

@@ -432,7 +432,7 @@ def _hydra_main(cfg: DictConfig) -> None:
         results = run(cfg)
     except Preempted as stopped:  # SIGTERM / USR2: the checkpoint is written
         log.warning("%s", stopped)
-        print(f"stopped: {stopped}", file=sys.stderr)
+        print(str(stopped), file=sys.stderr)
         sys.exit(engine.hand_on(stopped.signum))
     except USER_ERRORS as err:
         if os.environ.get("UQBENCH_TRACEBACK"):

@@ -388,6 +388,9 @@ class Preempted(Exception):
         self.epoch, self.step, self.global_step = epoch, step, global_step
         self.signum = signum
 
+    def __reduce__(self) -> tuple:  # a spawned process hands it back to its parent
+        return Preempted, (self.epoch, self.step, self.global_step, self.signum)
+
 
 def _agreed(fabric: Any, flag: bool) -> bool:
     """True if any process was asked to stop (every process then stops at the same step)."""
