@@ -287,3 +287,15 @@ def test_tables_leave_member_runs_to_their_ensemble(trained):
 
     runs = [r["run"] for r in load_results(trained["runs"])]
     assert runs == [json.loads((trained["joint"] / "results.json").read_text())["run"]]
+
+
+def test_job_eval_scores_a_combined_ensemble_from_its_members_checkpoints(trained, tmp_path):
+    out, results = combine([trained[0], trained[1]], out=tmp_path / "combined")
+    assert not (out / "checkpoint.ckpt").exists()  # the members keep theirs
+    run_cli("job=eval", f"eval_run='{out}'")
+    scored = json.loads((out / "eval" / "fake_images" / "results.json").read_text())
+    assert scored["scored_from"] == [str(trained[0]), str(trained[1])]
+    assert scored["metrics"] == results["metrics"]
+    np.testing.assert_array_equal(
+        np.load(out / "eval" / "fake_images" / "predictions" / "test.npz")["member_probs"],
+        probs(out, "test"))

@@ -350,7 +350,8 @@ def eval_job(cfg: DictConfig) -> dict[str, Any]:
     from the run's stored config; the dataset (and its task) come from the command when it
     names one (``dataset=cifar100_c``), else from the run. The results land in
     ``<run>/eval/<dataset>/`` (results.json, predictions/), published all at once; the run's
-    own files are never touched.
+    own files are never touched. A Deep Ensemble combined from member jobs is scored from its
+    members' checkpoints, their predictions joined in member order.
     """
     run_dir = Path(str(cfg.eval_run)).expanduser() if cfg.get("eval_run") else Path(cfg.run_dir)
     if not (run_dir / "results.json").is_file():
@@ -359,22 +360,18 @@ def eval_job(cfg: DictConfig) -> dict[str, Any]:
     stored = stored_config(run_dir)
     if stored is None:
         raise FileNotFoundError(f"{run_dir}/config.yaml is missing or unreadable")
-    final = run_dir / checkpoints.FINAL
-    if not final.is_file():
-        raise checkpoints.CheckpointError(
-            f"{run_dir} has no {checkpoints.FINAL}: it was trained without keeping one "
-            f"(trainer.keep_checkpoint=none, or before runs kept checkpoints). Train it again "
-            f"(overwrite=true) to score it on other data")
-    run_cfg = OmegaConf.create(stored)
+    members = json.loads((run_dir / "results.json").read_text()).get("combined_from")
+    sources = ([Path(str(stored["paths"]["runs_dir"])) / m for m in members] if members
+               else [run_dir])  # the folders whose checkpoints make up the model
+    for source in sources:
+        if not (source / checkpoints.FINAL).is_file():
+            raise checkpoints.CheckpointError(
+                f"{source} has no {checkpoints.FINAL}: it was trained without keeping one "
+                f"(trainer.keep_checkpoint=none, or before runs kept checkpoints). Train it "
+                f"again (overwrite=true) to score it on other data")
     chosen, changed = _dataset_overrides(cfg)
-    if chosen:  # another dataset: its config and task from the command
-        run_cfg.dataset, run_cfg.task = cfg.dataset, cfg.task
-    for key in changed:  # dataset.<key>=<value>: on top of the run's dataset
-        OmegaConf.update(run_cfg, key, OmegaConf.select(cfg, key), force_add=True)
-    for key in ("device", "save_predictions"):
-        run_cfg[key] = cfg.get(key)
-    if cfg.get("torch_threads") is not None:  # else the run's own: the same float reductions
-        run_cfg.torch_threads = cfg.torch_threads
+    configs = [_eval_config(cfg, stored_config(s) or {}, chosen, changed) for s in sources]
+    run_cfg = _eval_config(cfg, stored, chosen, changed)
     device, fallback = resolve_device(str(cfg.device))
     out = run_dir / "eval" / ",".join([str(run_cfg.dataset.name), *(
         f"{k}={OmegaConf.select(cfg, k)}" for k in changed)])
@@ -384,19 +381,24 @@ def eval_job(cfg: DictConfig) -> dict[str, Any]:
                 return json.loads((out / "results.json").read_text())
             raise RunExistsError(f"{out}/results.json already exists: overwrite=true replaces "
                                  f"it, skip_existing=true keeps it")
-        state = checkpoints.load(final)
-        seed_everything(int(run_cfg.seed))
-        if run_cfg.get("torch_threads"):
-            torch.set_num_threads(int(run_cfg.torch_threads))
-        method, data, task, _ = build_parts(run_cfg, device)
-        method.load_trainable_state({k: v.to(device) for k, v in state["trainable"].items()})
         start = time.perf_counter()
-        predictions = predict_splits(method, data, task, device)
+        parts = []
+        for source, source_cfg in zip(sources, configs, strict=True):
+            state = checkpoints.load(source / checkpoints.FINAL)
+            seed_everything(int(source_cfg.seed))
+            if source_cfg.get("torch_threads"):
+                torch.set_num_threads(int(source_cfg.torch_threads))
+            method, data, task, _ = build_parts(source_cfg, device)
+            method.load_trainable_state({k: v.to(device) for k, v in state["trainable"].items()})
+            parts.append(predict_splits(method, data, task, device))
+        predictions = parts[0] if len(parts) == 1 else {
+            split: {k: (np.concatenate([p[split][k] for p in parts]) if k == "member_probs"
+                        else v) for k, v in parts[0][split].items()} for split in parts[0]}
         metrics, calibration = score(predictions, task, data.eval_splits, data.ood_splits)
         results = {"job": "eval", "of_run": str(run_dir), "experiment": run_cfg.experiment_name,
                    "run": run_cfg.run_subdir, "dataset": str(run_cfg.dataset.name),
                    "method": str(run_cfg.method.name), "backbone": str(run_cfg.backbone.name),
-                   "seed": int(run_cfg.seed),
+                   "seed": int(run_cfg.seed), "scored_from": [str(s) for s in sources],
                    "settings": {"dataset": group_settings(run_cfg.dataset) | data.settings(),
                                 "task": group_settings(run_cfg.task)},
                    "metrics": metrics, "calibration": calibration,
@@ -413,6 +415,21 @@ def eval_job(cfg: DictConfig) -> dict[str, Any]:
             shutil.rmtree(stage, ignore_errors=True)
     log.info("wrote %s", out / "results.json")
     return results
+
+
+def _eval_config(cfg: DictConfig, stored: dict, chosen: bool, changed: list[str]) -> DictConfig:
+    """A stored run config with the command's dataset (or dataset keys), device and output
+    choices put in."""
+    run_cfg = OmegaConf.create(stored)
+    if chosen:  # another dataset: its config and task from the command
+        run_cfg.dataset, run_cfg.task = cfg.dataset, cfg.task
+    for key in changed:  # dataset.<key>=<value>: on top of the run's dataset
+        OmegaConf.update(run_cfg, key, OmegaConf.select(cfg, key), force_add=True)
+    for key in ("device", "save_predictions"):
+        run_cfg[key] = cfg.get(key)
+    if cfg.get("torch_threads") is not None:  # else the run's own: the same float reductions
+        run_cfg.torch_threads = cfg.torch_threads
+    return run_cfg
 
 
 def _dataset_overrides(cfg: DictConfig) -> tuple[bool, list[str]]:
