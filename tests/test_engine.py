@@ -129,21 +129,28 @@ def test_a_sigkilled_run_resumes_from_its_checkpoint_with_the_same_metrics(
     assert one(runs, "checkpoint.ckpt").is_file()  # and keeps its trained parameters
 
 
-def test_sigterm_writes_a_checkpoint_and_the_same_command_finishes_the_run(tmp_path,
-                                                                           uninterrupted):
-    overrides = [o for o in BNN if not o.startswith("trainer.epochs")] + [
-        "trainer.epochs=150", "trainer.checkpoint_every=null"]
-    runs = tmp_path / "runs"
+def terminated_after_first_checkpoint(overrides: list[str], runs: Path) -> tuple[int, str]:
+    """Start a run, SIGTERM it once its first checkpoint exists, check it stopped as a
+    preempted job does; returns that checkpoint's optimiser step and the job's stderr."""
     proc = subprocess.Popen([sys.executable, "-m", "uqbench.run", *overrides,
                              f"paths.runs_dir={runs}"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not list(runs.rglob("last.ckpt")) and time.time() < deadline:
-        time.sleep(0.2)
+        time.sleep(0.1)
     first = torch.load(one(runs, "last.ckpt"), weights_only=False)["global_step"]
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    return first, err
+
+
+def test_sigterm_writes_a_checkpoint_and_the_same_command_finishes_the_run(tmp_path,
+                                                                           uninterrupted):
+    overrides = [o for o in BNN if not o.startswith("trainer.epochs")] + [
+        "trainer.epochs=150", "trainer.checkpoint_every=null"]
+    runs = tmp_path / "runs"
+    first, err = terminated_after_first_checkpoint(overrides, runs)
     assert "stopped" in err and "the same command continues the run" in err
     state = torch.load(one(runs, "last.ckpt"), weights_only=False)
     assert state["global_step"] >= first
@@ -160,15 +167,7 @@ def test_sigterm_reaches_spawned_ddp_processes_and_the_run_resumes_exactly(tmp_p
     overrides = [o for o in VIT if not o.startswith("trainer.epochs")] + [
         "trainer.epochs=12", "trainer.checkpoint_every=null", "trainer.devices=2"]
     runs = tmp_path / "runs"
-    proc = subprocess.Popen([sys.executable, "-m", "uqbench.run", *overrides,
-                             f"paths.runs_dir={runs}"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not list(runs.rglob("last.ckpt")) and time.time() < deadline:
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    terminated_after_first_checkpoint(overrides, runs)
     state = torch.load(one(runs, "last.ckpt"), weights_only=False)
     run_cli(*overrides, f"paths.runs_dir={runs}")
     resumed = results(runs)
