@@ -308,6 +308,9 @@ def test_layouts_the_machine_cannot_run_fail_before_any_work(cfg, monkeypatch):
         engine.check(torch.device("cpu"), trainer("trainer.precision=16-mixed"))
     with pytest.raises(engine.EngineError, match="fsdp needs CUDA"):
         engine.check(torch.device("cpu"), trainer("trainer.strategy=fsdp"))
+    many = (os.cpu_count() or 1) + 1
+    with pytest.raises(engine.EngineError, match=f"trainer.devices={many} CPU processes"):
+        engine.check(torch.device("cpu"), trainer(f"trainer.devices={many}"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(engine, "external_processes", lambda: False)

@@ -82,6 +82,10 @@ def check(device: torch.device, trainer: Any) -> None:
         if trainer.devices > available:
             raise EngineError(f"trainer.devices={trainer.devices} but this machine has "
                               f"{available} CUDA device(s); set trainer.devices<={available}")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if device.type == "cpu" and trainer.devices > (cores or 1) and not external_processes():
+        raise EngineError(f"trainer.devices={trainer.devices} CPU processes but this machine "
+                          f"has {cores} cores; set trainer.devices<={cores}")
     if device.type == "cuda" and precision.startswith("bf16") and \
             not torch.cuda.is_bf16_supported():
         raise EngineError(f"trainer.precision={precision}: {torch.cuda.get_device_name(device)} "
