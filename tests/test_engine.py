@@ -335,3 +335,19 @@ def test_auto_falling_back_to_the_cpu_says_so(tmp_path):
                    f"paths.runs_dir={runs}")
     note = results(runs)["train"]["device_note"]
     assert "found no GPU" in note and note in proc.stdout + proc.stderr
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path):
+    """Killed and resumed: both attempts log to one W&B run id; a fresh start gets a new one."""
+    overrides = [*BNN, "logger=wandb", "logger.mode=offline", "run_name=wb",
+                 f"paths.runs_dir={tmp_path}"]
+    env = {**os.environ, "UQBENCH_KILL_AT": "checkpoint:8"}
+    subprocess.run([sys.executable, "-m", "uqbench.run", *overrides], env=env, cwd=ROOT,
+                   capture_output=True, timeout=600)
+    run_cli(*overrides)
+    wandb_dir = tmp_path / "wb" / "wandb"
+    ids = {p.name.rsplit("-", 1)[1] for p in wandb_dir.glob("offline-run-*")}
+    assert len(list(wandb_dir.glob("offline-run-*"))) == 2 and len(ids) == 1
+    assert ids == {(wandb_dir / "uqbench-run-id").read_text()}
+    run_cli(*overrides, "overwrite=true")  # trained again from the start: another W&B run
+    assert len({p.name.rsplit("-", 1)[1] for p in wandb_dir.glob("offline-run-*")}) == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -9,8 +10,9 @@ from typing import Any
 class Logger:
     """Interface: start → log_metrics (per epoch) → log_summary / log_image → finish."""
 
-    def start(self, run_dir: Path, name: str, config: dict[str, Any]) -> None:
-        pass
+    def start(self, run_dir: Path, name: str, config: dict[str, Any],
+              resume: bool = False) -> None:
+        """``resume``: the run continues from a checkpoint (a tracker continues its record)."""
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         pass
@@ -45,12 +47,23 @@ class WandbLogger(Logger):
         self.group, self.tags = group, list(tags or [])
         self._run = None
 
-    def start(self, run_dir: Path, name: str, config: dict[str, Any]) -> None:
+    def start(self, run_dir: Path, name: str, config: dict[str, Any],
+              resume: bool = False) -> None:
+        """A run continued from a checkpoint continues its W&B run (the id kept in
+        ``<run_dir>/wandb/uqbench-run-id``), so a preempted job is one run in the dashboard;
+        any other start is a new W&B run."""
         import wandb
 
+        id_file = run_dir / "wandb" / "uqbench-run-id"
+        run_id = id_file.read_text().strip() if resume and id_file.is_file() else None
+        if run_id is None:
+            run_id = uuid.uuid4().hex[:12]  # a W&B run id: letters and digits
+            id_file.parent.mkdir(parents=True, exist_ok=True)
+            id_file.write_text(run_id)
         self._run = wandb.init(project=self.project, entity=self.entity, mode=self.mode,
                                group=self.group, tags=self.tags, name=name, config=config,
-                               dir=str(run_dir), reinit="finish_previous")
+                               dir=str(run_dir), reinit="finish_previous", id=run_id,
+                               resume="allow")
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         if self._run is not None:

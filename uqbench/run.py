@@ -277,7 +277,7 @@ def _train(fabric: Any, cfg: DictConfig, run_dir: Path, trainer: Any, header: di
 
     config = OmegaConf.to_container(cfg, resolve=True)
     logger = build(cfg.logger) if rank0 else NullLogger()
-    logger.start(run_dir, name=cfg.run_subdir, config=config)
+    logger.start(run_dir, name=cfg.run_subdir, config=config, resume=resume is not None)
     resume_state = checkpoints.load(resume) if resume is not None else None
 
     def save(state: dict[str, Any]) -> None:  # every process gathers (FSDP), rank 0 writes
