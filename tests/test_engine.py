@@ -351,3 +351,13 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path):
     assert ids == {(wandb_dir / "uqbench-run-id").read_text()}
     run_cli(*overrides, "overwrite=true")  # trained again from the start: another W&B run
     assert len({p.name.rsplit("-", 1)[1] for p in wandb_dir.glob("offline-run-*")}) == 2
+
+
+def test_an_elbo_summed_over_examples_accumulates_to_the_whole_batch(uninterrupted):
+    """The BNN's loss sums its NLL over the batch and adds β·KL once: in 3 micro-batches of
+    34, 33 and 33 examples each adds a third of β·KL (its share), not the whole of it."""
+    single = uninterrupted(BNN)
+    accumulated = uninterrupted([*BNN, "trainer.accumulate=3"], "acc")
+    assert accumulated["train"]["accumulate"] == 3
+    for key, value in single["metrics"].items():
+        assert accumulated["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key

@@ -350,6 +350,7 @@ class Trainer:
         """One optimiser step over this process's micro-batches of a ``size``-example batch;
         returns this process's share of the step's loss."""
         slices = shard.slices(size)
+        sums = bool(getattr(model, "loss_sums_examples", False))
         optimizer.zero_grad(set_to_none=True)
         value = 0.0
         for k, (lo, hi) in enumerate(slices):
@@ -358,16 +359,18 @@ class Trainer:
             with fabric.no_backward_sync(model, enabled=k < len(slices) - 1):
                 # the precision's input dtype and autocast (on one device Fabric leaves a
                 # method other than forward alone; under DDP/FSDP this repeats it harmlessly)
+                inputs = fabric.strategy.precision.convert_input(batch)
                 with fabric.autocast():
-                    loss = model.loss(fabric.strategy.precision.convert_input(batch))
+                    loss = model.loss(inputs, share=share) if sums else model.loss(inputs)
                 if not torch.isfinite(loss):
                     raise NonFiniteLossError(
                         f"the training loss became {loss.item()} at epoch {epoch}, step {step} "
                         f"(lr {scheduler.get_last_lr()[0]:.3g}); lower trainer.optimizer.lr, "
                         f"set trainer.grad_clip, or check the data. No results were written.")
-                scale = share * shard.world         # the processes' gradients are averaged
+                # the processes' gradients are averaged: × world; a mean loss: × its share
+                scale = shard.world * (1 if sums else share)
                 fabric.backward(loss if scale == 1 else loss * scale)
-            value += loss.item() if share == 1 else share * loss.item()
+            value += loss.item() if sums or share == 1 else share * loss.item()
         if self.grad_clip is not None:
             fabric.strategy.precision.unscale_gradients(optimizer)
             clip_per_member_(groups, self.grad_clip)

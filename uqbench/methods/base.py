@@ -51,6 +51,11 @@ class Method(nn.Module):
 
     task: str = "classification"
     name: str = "method"
+    # How the training loss scales with the batch. False: a mean over the batch's examples
+    # (plus any term that does not depend on the batch); the loop weights each micro-batch's
+    # loss by its share of the optimiser step. True: a sum over the examples plus batch-free
+    # terms, and ``loss(batch, share=…)`` adds only ``share`` of the batch-free terms.
+    loss_sums_examples: bool = False
 
     def loss(self, batch: Batch) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError

@@ -145,8 +145,12 @@ class BayesianMLP(Method):
         mode = inference or (self.inference if not self.training else "moments")
         return self._sampled(x) if mode == "mc" else self._moments(x)
 
-    def loss(self, batch: Batch) -> torch.Tensor:
+    loss_sums_examples = True  # the ELBO of a batch: its NLL summed, plus β·KL once
+
+    def loss(self, batch: Batch, share: float = 1.0) -> torch.Tensor:
+        """Σ NLL over the batch + β·KL; a micro-batch that is ``share`` of its optimiser step
+        adds that share of β·KL, so the micro-batches of a step add up to the step's ELBO."""
         x, y = batch
         out = self._moments(x)
         nll = 0.5 * (torch.log(2 * math.pi * out.var) + (y - out.mean) ** 2 / out.var).sum()
-        return nll + self.kl_weight * self.net.kl()
+        return nll + self.kl_weight * share * self.net.kl()
