@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import copy
 import glob
-import json
 import logging
 import os
 import shutil
@@ -46,12 +45,12 @@ from uqbench.evaluation import score
 from uqbench.results import write_stage
 from uqbench.runfolder import (
     RunLock,
+    finished,
     identity,
     new_stage,
     publish,
     recover,
     reuse,
-    stored_config,
 )
 
 log = logging.getLogger("uqbench")
@@ -89,15 +88,8 @@ def expand(patterns: list[str]) -> list[Path]:
 
 def read_member(folder: Path) -> Member:
     """A finished member run, or an error saying what is missing."""
-    if not folder.is_dir():
-        raise FileNotFoundError(f"{folder} is not a run folder")
-    if not (folder / "results.json").is_file():
-        raise FileNotFoundError(f"{folder} holds no results.json: that member job has not "
-                                f"finished (or failed); rerun it")
-    config = stored_config(folder)
-    if config is None:
-        raise FileNotFoundError(f"{folder}: config.yaml is missing or unreadable")
-    results = json.loads((folder / "results.json").read_text())
+    config, results = finished(
+        folder, ": that member job has not finished (or failed); rerun it")
     if not isinstance(config.get("method"), dict) or config["method"].get("member") is None:
         raise ValueError(f"{folder} is not a member job (method.member is not set there): "
                          f"combine the runs of method.member=0 … members-1")

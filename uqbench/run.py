@@ -41,10 +41,10 @@ from uqbench.runfolder import (
     RunExistsError,
     RunLock,
     differences,
+    finished,
     new_stage,
     publish,
     recover,
-    stored_config,
 )
 from uqbench.runfolder import reuse as reuse_folder
 from uqbench.training import Preempted
@@ -354,15 +354,12 @@ def eval_job(cfg: DictConfig) -> dict[str, Any]:
     members' checkpoints, their predictions joined in member order.
     """
     run_dir = Path(str(cfg.eval_run)).expanduser() if cfg.get("eval_run") else Path(cfg.run_dir)
-    if not (run_dir / "results.json").is_file():
-        raise FileNotFoundError(f"job=eval needs a finished run: {run_dir} holds no results.json "
-                                f"(eval_run=<run folder> names the run to score)")
-    stored = stored_config(run_dir)
-    if stored is None:
-        raise FileNotFoundError(f"{run_dir}/config.yaml is missing or unreadable")
-    members = json.loads((run_dir / "results.json").read_text()).get("combined_from")
-    sources = ([Path(str(stored["paths"]["runs_dir"])) / m for m in members] if members
-               else [run_dir])  # the folders whose checkpoints make up the model
+    stored, scored = finished(run_dir, ": job=eval needs a finished run (eval_run=<run folder> "
+                                       "names the run to score)")
+    # the folders whose checkpoints make up the model, with their stored configs
+    members = [Path(str(stored["paths"]["runs_dir"])) / m
+               for m in scored.get("combined_from") or []]
+    sources = {m: finished(m)[0] for m in members} if members else {run_dir: stored}
     for source in sources:
         if not (source / checkpoints.FINAL).is_file():
             raise checkpoints.CheckpointError(
@@ -370,7 +367,7 @@ def eval_job(cfg: DictConfig) -> dict[str, Any]:
                 f"(trainer.keep_checkpoint=none, or before runs kept checkpoints). Train it "
                 f"again (overwrite=true) to score it on other data")
     chosen, changed = _dataset_overrides(cfg)
-    configs = [_eval_config(cfg, stored_config(s) or {}, chosen, changed) for s in sources]
+    configs = {s: _eval_config(cfg, c, chosen, changed) for s, c in sources.items()}
     run_cfg = _eval_config(cfg, stored, chosen, changed)
     device, fallback = resolve_device(str(cfg.device))
     out = run_dir / "eval" / ",".join([str(run_cfg.dataset.name), *(
@@ -383,7 +380,7 @@ def eval_job(cfg: DictConfig) -> dict[str, Any]:
                                  f"it, skip_existing=true keeps it")
         start = time.perf_counter()
         parts = []
-        for source, source_cfg in zip(sources, configs, strict=True):
+        for source, source_cfg in configs.items():
             state = checkpoints.load(source / checkpoints.FINAL)
             seed_everything(int(source_cfg.seed))
             if source_cfg.get("torch_threads"):

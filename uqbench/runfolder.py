@@ -246,6 +246,21 @@ def reuse(run_dir: Path, requested: dict[str, Any], overwrite: bool, skip_existi
     return None
 
 
+def finished(run_dir: Path, unfinished: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
+    """The stored config and the results of a finished run, or a FileNotFoundError naming
+    what is missing (``unfinished`` ends the message when results.json is absent)."""
+    import json
+
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir} is not a run folder")
+    if not (run_dir / "results.json").is_file():
+        raise FileNotFoundError(f"{run_dir} holds no results.json{unfinished}")
+    config = stored_config(run_dir)
+    if config is None:
+        raise FileNotFoundError(f"{run_dir}: config.yaml is missing or unreadable")
+    return config, json.loads((run_dir / "results.json").read_text())
+
+
 def stored_config(run_dir: Path) -> dict[str, Any] | None:
     """The resolved config a finished run stored, or None if it is missing or unreadable."""
     try:
