@@ -59,7 +59,7 @@ def resolve_device(name: str) -> tuple[torch.device, str | None]:
 
 def external_processes() -> bool:
     """True when a cluster manager started this job's processes itself (SLURM with one task
-    per device, torchrun, LSF, MPI): each process then runs the whole job."""
+    per device, torchrun, LSF): each process then runs the whole job."""
     from lightning_fabric.plugins.environments import (
         LSFEnvironment,
         SLURMEnvironment,
@@ -82,10 +82,12 @@ def check(device: torch.device, trainer: Any) -> None:
         if trainer.devices > available:
             raise EngineError(f"trainer.devices={trainer.devices} but this machine has "
                               f"{available} CUDA device(s); set trainer.devices<={available}")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if device.type == "cpu" and trainer.devices > (cores or 1) and not external_processes():
-        raise EngineError(f"trainer.devices={trainer.devices} CPU processes but this machine "
-                          f"has {cores} cores; set trainer.devices<={cores}")
+    if device.type == "cpu" and trainer.devices > 1 and not external_processes():
+        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else os.cpu_count() or 1)
+        if trainer.devices > cores:
+            raise EngineError(f"trainer.devices={trainer.devices} CPU processes but this "
+                              f"machine has {cores} cores; set trainer.devices<={cores}")
     if device.type == "cuda" and precision.startswith("bf16") and \
             not torch.cuda.is_bf16_supported():
         raise EngineError(f"trainer.precision={precision}: {torch.cuda.get_device_name(device)} "

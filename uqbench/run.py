@@ -176,7 +176,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                         cfg.trainer.optimizer.get("lr"))
         check_batch(cfg, trainer)
         device, fallback = resolve_device(str(cfg.device))
-        fabric = engine.fabric(device, trainer)  # a layout this machine cannot run fails here
+        engine.check(device, trainer)  # a layout this machine cannot run fails here
     if (existing := reuse(cfg, run_dir)) is not None:
         return existing
     config = OmegaConf.to_container(cfg, resolve=True)
@@ -189,6 +189,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         publish_run(cfg, run_dir, config, results, {})
         return results
     resume = resume_point(cfg, run_dir, config)
+    fabric = engine.fabric(device, trainer)  # after the reuse: a skipped run never loads it
     if fallback:
         log.warning("%s", fallback)
     # Everything a process needs, resolved here: spawned processes have no Hydra context.
