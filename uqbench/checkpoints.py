@@ -63,8 +63,9 @@ def load(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
     try:
-        # our own file: it holds RNG states (tuples, NumPy arrays) besides tensors
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        # our own file: it holds RNG states (tuples, NumPy arrays) besides tensors. Memory-
+        # mapped: reading a large checkpoint's config and position costs no copy of it
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except Exception as err:  # truncated, corrupted, not a torch file
         raise CheckpointError(
             f"the checkpoint {path} cannot be read ({type(err).__name__}: {err}); it was kept "
