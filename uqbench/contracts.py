@@ -85,3 +85,8 @@ class Shard:
         bounds = [n * j // cuts for j in range(cuts + 1)]
         mine = range(self.rank * self.parts, (self.rank + 1) * self.parts)
         return [(bounds[j], bounds[j + 1]) for j in mine if bounds[j + 1] > bounds[j]]
+
+    def micro_batches(self, n: int, batch_size: int, skip: int = 0) -> int:
+        """How many micro-batches this process reads in an ``n``-example epoch after passing
+        over its first ``skip`` steps."""
+        return sum(len(self.slices(s)) for s in self.steps(n, batch_size)[skip:])

@@ -130,8 +130,7 @@ class MicroBatchSampler:
         self.shard, self.skip, self.on_skip = shard, skip, on_skip
 
     def __len__(self) -> int:
-        return sum(len(self.shard.slices(s)) for s in self.shard.steps(self.n, self.batch_size)
-                   [self.skip:])
+        return self.shard.micro_batches(self.n, self.batch_size, self.skip)
 
     def __iter__(self) -> Iterator[list[int]]:
         sizes = self.shard.steps(self.n, self.batch_size)
@@ -161,8 +160,7 @@ class TensorBatches:
         self.shard, self.skip, self.on_skip = shard or Shard(), skip, on_skip
 
     def __len__(self) -> int:
-        sizes = self.shard.steps(len(self.tensors[0]), self.batch_size)[self.skip:]
-        return sum(len(self.shard.slices(s)) for s in sizes)
+        return self.shard.micro_batches(len(self.tensors[0]), self.batch_size, self.skip)
 
     def __iter__(self):
         n = len(self.tensors[0])
