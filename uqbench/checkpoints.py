@@ -74,7 +74,3 @@ def load(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not a uqbench checkpoint (format {FORMAT}); it was "
                               f"kept as it is")
     return state
-
-
-def size(path: Path) -> int:
-    return path.stat().st_size if path.is_file() else 0
