@@ -244,9 +244,8 @@ def test_cli_refuses_bad_data_before_the_run_starts(tmp_path, case):
     for word in words:
         assert word in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
-    # Hydra's job log (uqbench.log, holding the error) is the only file: no lock, no stage,
-    # no config.yaml or results.json, so the run never started
-    assert {p.name for p in runs.rglob("*") if p.is_file()} <= {"uqbench.log"}
+    # nothing is left: no lock, no stage, no config.yaml, results.json or log, no folder
+    assert not runs.exists() or list(runs.iterdir()) == []
 
 
 def test_cli_p2_diabetes_run_scores_the_test_fold(tmp_path, raw):

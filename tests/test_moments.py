@@ -1,7 +1,9 @@
-"""Every moment rule against Monte Carlo (≥ 1e5 samples), far tails included."""
+"""Every moment rule against Monte Carlo (≥ 1e5 samples), far tails included; E[link(a)] also
+against scipy quadrature."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -15,6 +17,8 @@ from uqbench.methods.moments import (
     MomentFlatten,
     MomentLeakyReLU,
     MomentSequential,
+    expected_link,
+    expected_softplus,
     leaky_relu_moments,
 )
 
@@ -146,3 +150,129 @@ def test_kl_matches_closed_form_and_torch_distributions():
 def test_bad_prior_is_rejected():
     with pytest.raises(ValueError, match="prior_std"):
         GaussianLinear(2, 2, prior_std=-1.0)
+
+
+# --- E[link(a)] for a ~ N(m, v) ----------------------------------------------------------------
+
+LINK_MEANS = [-30.0, -8.0, -2.0, 0.0, 1.5, 8.0, 30.0]
+LINK_VARS = [1e-4, 0.25, 4.0, 100.0, 2500.0]
+
+
+def _softplus64(a: float) -> float:
+    return max(a, 0.0) + math.log1p(math.exp(-abs(a)))
+
+
+def _sigmoid64(a: float) -> float:
+    e = math.exp(-abs(a))
+    return 1 / (1 + e) if a >= 0 else e / (1 + e)
+
+
+def _gaussian_quad(f, m: float, v: float) -> float:
+    """E[f(m + √v Z)] by scipy's adaptive quadrature in z ∈ [−40, 40] (φ(40) ≈ 1e-348), split
+    at the kink z = −m/√v, to 1e-13 relative: independent of the code under test."""
+    from scipy import integrate
+    from scipy.stats import norm
+
+    s = math.sqrt(v)
+    kink = -m / s
+    edges = sorted({-40.0, 40.0, *([kink] if -40 < kink < 40 else [])})
+    return sum(integrate.quad(lambda z: f(m + s * z) * norm.pdf(z), a, b, epsabs=0,
+                              epsrel=1e-13, limit=500)[0] for a, b in itertools.pairwise(edges))
+
+
+def _grid(means, variances) -> tuple[torch.Tensor, torch.Tensor]:
+    m = torch.tensor([a for a in means for _ in variances], dtype=torch.float64)
+    v = torch.tensor([b for _ in means for b in variances], dtype=torch.float64)
+    return m, v
+
+
+def test_expected_softplus_matches_monte_carlo_tails_included():
+    """10⁶ draws per (m, v); agreement within 5 standard errors of the MC mean."""
+    gen = torch.Generator().manual_seed(0)
+    m, v = _grid(LINK_MEANS, LINK_VARS)
+    got = expected_softplus(m, v)
+    for i in range(len(m)):
+        a = m[i] + v[i].sqrt() * torch.randn(10**6, generator=gen, dtype=torch.float64)
+        f = F.softplus(a, threshold=50)  # float64: exact to rounding below the threshold
+        se = f.std() / 1e3
+        assert abs(got[i] - f.mean()) <= 5 * se, (m[i].item(), v[i].item(), got[i], f.mean())
+
+
+def test_expected_softplus_matches_scipy_quadrature_to_1e_minus_6():
+    """Relative accuracy 1e-6 on the grid, the edges of the promised range (|m| = 50, v up to
+    1e4) and v = 0, which must give softplus(m) itself. (Measured: worst 3e-15.)"""
+    m, v = _grid([*LINK_MEANS, -50.0, 50.0], [0.0, *LINK_VARS, 1.0, 1.0001, 1e4])
+    got = expected_softplus(m, v)
+    for i in range(len(m)):
+        mi, vi = m[i].item(), v[i].item()
+        expected = _softplus64(mi) if vi == 0 else _gaussian_quad(_softplus64, mi, vi)
+        assert got[i].item() == pytest.approx(expected, rel=1e-6, abs=0), (mi, vi)
+    zero = v == 0
+    assert [x.item() for x in got[zero]] == [_softplus64(x.item()) for x in m[zero]]
+
+
+def test_expected_softplus_gradients_are_stein_and_finite_differences():
+    """d/dm E[softplus(a)] = E[σ(a)] (against quadrature); d/dv against central differences of
+    the float64 values; finite and exact at v = 0 (σ(m) and σ'(m)/2)."""
+    m, v = _grid(LINK_MEANS, [1e-4, 0.25, 0.81, 1.44, 4.0, 100.0])
+    mg, vg = m.clone().requires_grad_(), v.clone().requires_grad_()
+    expected_softplus(mg, vg).sum().backward()
+    for i in range(len(m)):
+        mi, vi = m[i].item(), v[i].item()
+        assert mg.grad[i].item() == pytest.approx(_gaussian_quad(_sigmoid64, mi, vi), rel=1e-6)
+        h = 1e-5 * max(vi, 1.0)
+        up, down = expected_softplus(m[i], v[i] + h), expected_softplus(m[i], v[i] - h)
+        fd = ((up - down) / (2 * h)).item()
+        rounding = 1e-15 * up.item() / h  # the difference of two values exact to ~2e-16
+        assert vg.grad[i].item() == pytest.approx(fd, rel=1e-5, abs=rounding), (mi, vi)
+    m0 = torch.tensor([-3.0, 0.0, 2.0], dtype=torch.float64, requires_grad=True)
+    v0 = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    expected_softplus(m0, v0).sum().backward()
+    s = torch.sigmoid(m0.detach())
+    assert torch.allclose(m0.grad, s, rtol=1e-12) and torch.allclose(v0.grad, s * (1 - s) / 2)
+
+
+def test_expected_softplus_keeps_dtype_and_shape_and_passes_gradcheck():
+    m = torch.tensor([[-3.0, 0.5], [2.0, 40.0]])
+    v = torch.tensor([[0.5], [9.0]])  # broadcasts over the columns
+    out = expected_softplus(m, v)
+    assert out.shape == (2, 2) and out.dtype == torch.float32
+    big = expected_softplus(torch.tensor([-1e4, 1e4]), torch.tensor([1e6, 1e6]))
+    assert torch.isfinite(big).all() and (big > 0).all()
+    gen = torch.Generator().manual_seed(3)
+    mg = (5 * torch.randn(12, generator=gen, dtype=torch.float64)).requires_grad_()
+    vg = (3 * torch.rand(12, generator=gen, dtype=torch.float64) + 0.01).requires_grad_()
+    assert torch.autograd.gradcheck(expected_softplus, (mg, vg))
+
+
+def test_expected_exp_is_the_lognormal_mean_by_monte_carlo():
+    gen = torch.Generator().manual_seed(1)
+    for m, v in [(-2.0, 0.25), (0.0, 1.0), (1.0, 0.04)]:
+        a = m + math.sqrt(v) * torch.randn(10**6, generator=gen, dtype=torch.float64)
+        f = torch.exp(a)
+        got = expected_link("exp", torch.tensor(m), torch.tensor(v)).item()
+        assert abs(got - f.mean().item()) <= 5 * f.std().item() / 1e3
+
+
+def test_an_unknown_link_is_named_with_the_choices():
+    with pytest.raises(ValueError, match=r"link 'cube' is not one of \('softplus', 'exp'\)"):
+        expected_link("cube", torch.zeros(1), torch.ones(1))
+
+
+@pytest.mark.parametrize("fan_in_prior", [False, True])
+def test_fan_in_prior_scales_each_layers_prior_and_its_kl(fan_in_prior):
+    """prior: fan_in gives a layer of fan-in n the prior N(0, prior_std²/n), biases too; the KL
+    is torch.distributions' against that prior."""
+    prior = "fan_in" if fan_in_prior else "fixed"
+    layer = GaussianLinear(9, 3, prior_std=0.6, rho_init=-1.0, prior=prior)
+    conv = GaussianConv2d(2, 3, kernel_size=3, prior_std=0.6, prior=prior)  # fan-in 2·3·3
+    std = 0.6 / 3 if fan_in_prior else 0.6
+    assert layer.prior_std == pytest.approx(std)
+    assert conv.prior_std == pytest.approx(0.6 / math.sqrt(18) if fan_in_prior else 0.6)
+    q = torch.distributions.Normal(
+        torch.cat([layer.weight_mu.flatten(), layer.bias_mu]),
+        F.softplus(torch.cat([layer.weight_rho.flatten(), layer.bias_rho])))
+    expected = torch.distributions.kl_divergence(q, torch.distributions.Normal(0.0, std)).sum()
+    assert layer.kl().item() == pytest.approx(expected.item(), rel=1e-5)
+    with pytest.raises(ValueError, match=r"prior 'wide' is not one of \('fixed', 'fan_in'\)"):
+        GaussianLinear(2, 2, prior="wide")

@@ -32,9 +32,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from uqbench import checkpoints, engine
 from uqbench.configs import USER_ERRORS, build, check_types, check_value, options_where
+from uqbench.contracts import to_device
 from uqbench.engine import resolve_device
 from uqbench.evaluation import evaluate, forward_cost, predict_splits, score
 from uqbench.loggers import NullLogger
+from uqbench.methods.base import Method
 from uqbench.results import group_settings, run_header, write_stage
 from uqbench.runfolder import (
     ConfigMismatchError,
@@ -53,6 +55,7 @@ log = logging.getLogger("uqbench")
 
 
 JOBS = ("train", "params", "eval")
+DIAGNOSTIC_INPUTS = 256  # test inputs handed to Method.diagnostics
 
 
 # --- helpers ----------------------------------------------------------------------------------
@@ -259,6 +262,34 @@ def build_parts(cfg: DictConfig, device: torch.device, activation_checkpointing:
     return method, data, task, backbone
 
 
+def first_inputs(loader: Any, n: int) -> Any:
+    """The inputs of a loader's first batches, up to ``n`` rows: a tensor (n, …), or, for
+    inputs that are not one tensor (a dict of token tensors), the first batch's as they are."""
+    parts, rows = [], 0
+    for inputs, _ in loader:
+        if not isinstance(inputs, torch.Tensor):
+            return inputs
+        parts.append(inputs)
+        rows += len(inputs)
+        if rows >= n:
+            break
+    return torch.cat(parts)[:n]
+
+
+def method_diagnostics(method: Method, data: Any, device: torch.device,
+                       split: str = "test") -> dict[str, float]:
+    """The method's own diagnostics (:meth:`Method.diagnostics`) on the first
+    DIAGNOSTIC_INPUTS inputs of ``split``, as ``<split>/<name>``; {} without reading any data
+    for a method that has none, or for data without that split."""
+    if type(method).diagnostics is Method.diagnostics or split not in data.eval_splits:
+        return {}
+    # a loader's iterator draws its base seed from the CPU generator: keep the run's stream
+    with torch.random.fork_rng(devices=[]):
+        inputs = first_inputs(data.loader(split), DIAGNOSTIC_INPUTS)
+    found = method.diagnostics(to_device(inputs, device))
+    return {f"{split}/{name}": value for name, value in found.items()}
+
+
 def _train(fabric: Any, cfg: DictConfig, run_dir: Path, trainer: Any, header: dict,
            resume: Path | None, fallback: str | None) -> dict[str, Any] | Preempted | None:
     """One process's share of a training job (all of it on one device). Every process builds,
@@ -303,6 +334,9 @@ def _train(fabric: Any, cfg: DictConfig, run_dir: Path, trainer: Any, header: di
         trained = engine.trainable_state(fabric, model, method) if keep else None
         if not rank0:
             return None
+        start = time.perf_counter()
+        metrics.update(method_diagnostics(method, data, device))
+        diagnostics_s = time.perf_counter() - start
         results = {
             **header,
             "settings": {
@@ -316,7 +350,8 @@ def _train(fabric: Any, cfg: DictConfig, run_dir: Path, trainer: Any, header: di
             "params": params,
             "metrics": metrics,
             "calibration": calibration,
-            "time": {"train_s": train["train_s"], "eval_s": eval_s},
+            "time": {"train_s": train["train_s"], "eval_s": eval_s,
+                     "diagnostics_s": diagnostics_s},
             "cost": cost,
             "environment": environment(),
             "train": {"epochs": train["epochs"], "selected_epoch": train["selected_epoch"],
@@ -389,10 +424,13 @@ def eval_job(cfg: DictConfig) -> dict[str, Any]:
             method, data, task, _ = build_parts(source_cfg, device)
             method.load_trainable_state({k: v.to(device) for k, v in state["trainable"].items()})
             parts.append(predict_splits(method, data, task, device))
+            # a model scored from one checkpoint can check itself; members combined cannot
+            diagnostics = method_diagnostics(method, data, device) if len(configs) == 1 else {}
         predictions = parts[0] if len(parts) == 1 else {
             split: {k: (np.concatenate([p[split][k] for p in parts]) if k == "member_probs"
                         else v) for k, v in parts[0][split].items()} for split in parts[0]}
         metrics, calibration = score(predictions, task, data.eval_splits, data.ood_splits)
+        metrics.update(diagnostics)
         results = {"job": "eval", "of_run": str(run_dir), "experiment": run_cfg.experiment_name,
                    "run": run_cfg.run_subdir, "dataset": str(run_cfg.dataset.name),
                    "method": str(run_cfg.method.name), "backbone": str(run_cfg.backbone.name),
@@ -441,6 +479,29 @@ def _dataset_overrides(cfg: DictConfig) -> tuple[bool, list[str]]:
     return "dataset" in keys, sorted(k for k in keys if k.startswith("dataset."))
 
 
+def _drop_log_only_folder(cfg: DictConfig) -> None:
+    """A job refused before it wrote anything leaves no folder behind: Hydra made the run
+    folder for its log, so the folder (and the parents it made, up to the runs folder) goes
+    when the log is all it holds. A folder with anything else in it is never touched."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return
+    hc = HydraConfig.get()
+    folder = Path(hc.runtime.output_dir)
+    if not folder.is_dir() or {p.name for p in folder.iterdir()} - {f"{hc.job.name}.log"}:
+        return
+    (folder / f"{hc.job.name}.log").unlink(missing_ok=True)
+    root = Path(str(cfg.paths.runs_dir)).resolve()
+    for path in [folder.resolve(), *folder.resolve().parents]:
+        if path == root or root not in path.parents:
+            break
+        try:
+            path.rmdir()  # only while empty: a parent other jobs use stays
+        except OSError:
+            break
+
+
 @hydra.main(config_path="pkg://uqbench.conf", config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
     try:
@@ -455,6 +516,7 @@ def _hydra_main(cfg: DictConfig) -> None:
         log.error("%s: %s", type(err).__name__, err)
         print(f"error: {err}\n(set UQBENCH_TRACEBACK=1 for the full traceback)",
               file=sys.stderr)
+        _drop_log_only_folder(cfg)
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C: one line; the folder is left as a kill leaves it
         if os.environ.get("UQBENCH_TRACEBACK"):

@@ -44,9 +44,9 @@ class Method(nn.Module):
     """Base class: subclasses set ``task`` and implement ``forward`` and ``loss``.
 
     ``settings()`` returns the method's key settings (members, rank, variance, …) that go into
-    results.json and the run folder's name. ``trainable_parameters()`` declares what the method
-    trains (all of its parameters unless a subclass says otherwise); the parameter counts and
-    the best-checkpoint state follow from it.
+    results.json and the run folder's name; ``diagnostics(inputs)``, any extra test metrics.
+    ``trainable_parameters()`` declares what the method trains (all of its parameters unless a
+    subclass says otherwise); the parameter counts and the best-checkpoint state follow from it.
     """
 
     task: str = "classification"
@@ -61,6 +61,13 @@ class Method(nn.Module):
         raise NotImplementedError
 
     def settings(self) -> dict[str, Any]:
+        return {}
+
+    def diagnostics(self, inputs: torch.Tensor) -> dict[str, float]:
+        """Checks of the trained model on test inputs (B, …) that only this method can make
+        (the BNN: moment inference against Monte Carlo); the runner calls it once after
+        evaluation and records each value as ``test/<name>``. None by default. It must leave
+        the global random state as it found it."""
         return {}
 
     def trainable_parameters(self) -> dict[str, nn.Parameter]:

@@ -7,37 +7,80 @@ and adds a Gaussian output layer.
 
 ``variance: embedded`` — one output per target; its propagated variance *is* the total predictive
 variance (aleatoric noise is absorbed by the parameter variances).
-``variance: learned`` — a second output per target whose mean gives the aleatoric variance
-(softplus); total variance = that + the propagated variance of the first output.
+``variance: learned`` — a second output per target, a₂, gives the aleatoric variance through
+``variance_link`` (softplus | exp); total variance = that + the propagated variance of the first
+output. Moment inference takes E[link(a₂)] under a₂'s propagated Gaussian (exact for that
+Gaussian, :func:`~uqbench.methods.moments.expected_link`); Monte Carlo averages link(a₂) over the
+sampled weight sets, so both estimate the same quantity.
 
-Training always propagates moments (one analytic pass, no sampling) and minimises the negative
-ELBO: Σ_batch GaussianNLL(y; mean, var) + β·KL(q ‖ N(0, prior_std²)), β = 1/batches per epoch.
-Prediction uses ``inference: moments`` or ``inference: mc`` (S sampled weight sets).
+The loss is the negative ELBO: Σ_batch GaussianNLL(y; mean, var) + β·KL(q ‖ prior), with
+β = kl_scale / batches per epoch unless ``kl_weight`` sets it, and the prior N(0, prior_std²) per
+weight (``prior: fixed``) or N(0, prior_std²/fan_in) (``prior: fan_in``). ``training: moments``
+takes mean and var from one analytic pass; ``training: sampling`` estimates them from
+``train_samples`` reparameterised weight draws (the same ELBO, only how its moments are obtained
+differs). Prediction uses ``inference: moments`` or ``inference: mc`` (S sampled weight sets).
+:meth:`BayesianMLP.diagnostics` compares the two inferences on a run's test inputs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from uqbench.configs import options_with
 from uqbench.contracts import Batch, DataInfo, RegressionOutput
 from uqbench.methods.base import Method
 from uqbench.methods.moments import (
+    LINKS,
+    PRIORS,
     GaussianLinear,
     MomentLeakyReLU,
     MomentModule,
     MomentReLU,
     MomentSequential,
+    apply_link,
+    expected_link,
 )
 
 VARIANCES = ("embedded", "learned")
 INFERENCES = ("moments", "mc")
+TRAININGS = ("moments", "sampling")
 CONVERTS = "nn.Linear (with a bias), nn.LeakyReLU, nn.ReLU"
+CHECK_INPUTS = 256          # diagnostics: moment vs MC inference on at most this many inputs
+CHECK_CHUNK_ELEMENTS = 2**22  # diagnostics: drawn weights + activations per MC chunk (cache-sized)
+
+
+def check_options(variance: str = "embedded", inference: str = "moments",
+                  variance_link: str = "softplus", prior: str = "fixed",
+                  training: str = "moments", mc_samples: int = 200, train_samples: int = 16,
+                  check_samples: int = 2000, prior_std: float = 1.0, kl_scale: float = 1.0,
+                  kl_weight: float | None = None, **_: Any) -> None:
+    """Refuse a setting the BNN cannot use, naming the value and the valid choices; the
+    runner calls it (through :meth:`BayesianMLP.check_settings`) before anything is built."""
+    for key, value, choices in (("variance", variance, VARIANCES),
+                                ("inference", inference, INFERENCES),
+                                ("variance_link", variance_link, LINKS),
+                                ("prior", prior, PRIORS),
+                                ("training", training, TRAININGS)):
+        if value not in choices:
+            raise ValueError(f"method.{key} '{value}' is not one of {choices}")
+    if not (prior_std > 0 and math.isfinite(prior_std)):
+        raise ValueError(f"method.prior_std must be a positive number, got {prior_std}")
+    if mc_samples < 2:
+        raise ValueError(f"method.mc_samples must be >= 2, got {mc_samples}")
+    if train_samples < 2:  # the predictive variance needs a sample variance
+        raise ValueError(f"method.train_samples must be >= 2, got {train_samples}")
+    if check_samples != 0 and check_samples < 2:
+        raise ValueError(f"method.check_samples must be 0 (off) or >= 2, got {check_samples}")
+    if not (kl_scale >= 0 and math.isfinite(kl_scale)):
+        raise ValueError(f"method.kl_scale must be a finite number >= 0, got {kl_scale}")
+    if kl_weight is not None and kl_weight < 0:
+        raise ValueError(f"method.kl_weight must be >= 0 or null, got {kl_weight}")
 
 
 def tabular_backbones() -> str:
@@ -45,14 +88,16 @@ def tabular_backbones() -> str:
     return ", ".join(options_with("backbone", "width")) or "<no MLP backbone configs found>"
 
 
-def moment_twin(module: nn.Module, prior_std: float, rho_init: float) -> MomentModule | None:
+def moment_twin(module: nn.Module, prior_std: float, rho_init: float,
+                prior: str = "fixed") -> MomentModule | None:
     """The moment-propagating twin of one deterministic layer, with fresh μ and ρ, or None.
 
     nn.Linear(in, out) → GaussianLinear(in, out): moments (B, in) → (B, out);
     nn.LeakyReLU(a) → MomentLeakyReLU(a), nn.ReLU → MomentReLU: elementwise, shape kept.
     """
     if isinstance(module, nn.Linear) and module.bias is not None:
-        return GaussianLinear(module.in_features, module.out_features, prior_std, rho_init)
+        return GaussianLinear(module.in_features, module.out_features, prior_std, rho_init,
+                              prior)
     if isinstance(module, nn.LeakyReLU):
         return MomentLeakyReLU(module.negative_slope)
     if isinstance(module, nn.ReLU):
@@ -72,28 +117,29 @@ class BayesianMLP(Method):
     def __init__(self, backbone: Any, info: DataInfo, name: str = "bnn",
                  variance: str = "embedded", inference: str = "moments", mc_samples: int = 200,
                  prior_std: float = 1.0, rho_init: float = -2.0, kl_weight: float | None = None,
-                 min_var: float = 1e-8) -> None:
+                 min_var: float = 1e-8, variance_link: str = "softplus", prior: str = "fixed",
+                 kl_scale: float = 1.0, training: str = "moments", train_samples: int = 16,
+                 check_samples: int = 2000) -> None:
         super().__init__()
-        if variance not in VARIANCES:
-            raise ValueError(f"method.variance '{variance}' is not one of {VARIANCES}")
-        if inference not in INFERENCES:
-            raise ValueError(f"method.inference '{inference}' is not one of {INFERENCES}")
+        check_options(variance=variance, inference=inference, variance_link=variance_link,
+                      prior=prior, training=training, mc_samples=mc_samples,
+                      train_samples=train_samples, check_samples=check_samples,
+                      prior_std=prior_std, kl_scale=kl_scale, kl_weight=kl_weight)
         modality = getattr(backbone, "modality", None)
         if modality != "tabular":
             raise ValueError(
                 f"method '{name}' propagates moments through a tabular backbone's network; "
                 f"'{getattr(backbone, 'name', backbone)}' has modality {modality!r}. Pick one of: "
                 f"{tabular_backbones()}")
-        if prior_std <= 0 or not math.isfinite(prior_std):
-            raise ValueError(f"method.prior_std must be a positive number, got {prior_std}")
-        if mc_samples < 2:
-            raise ValueError(f"method.mc_samples must be >= 2, got {mc_samples}")
-        if kl_weight is not None and kl_weight < 0:
-            raise ValueError(f"method.kl_weight must be >= 0 or null, got {kl_weight}")
         self.name = name
         self.variance, self.inference = variance, inference
+        self.variance_link, self.prior = variance_link, prior
+        self.training_mode = training  # not `training`: nn.Module's train/eval flag
         self.mc_samples = int(mc_samples)
-        self.kl_weight = 1.0 / info.num_train_batches if kl_weight is None else float(kl_weight)
+        self.train_samples, self.check_samples = int(train_samples), int(check_samples)
+        self.kl_scale = float(kl_scale)
+        self.kl_weight = (self.kl_scale / info.num_train_batches if kl_weight is None
+                          else float(kl_weight))
         self.min_var = float(min_var)
         self.out_dim = int(info.out_dim or 1)
         outputs = self.out_dim * (2 if variance == "learned" else 1)
@@ -107,19 +153,27 @@ class BayesianMLP(Method):
                              f"work: {tabular_backbones()}")
         layers: list[MomentModule] = []
         for child, module in net.named_children():
-            twin = moment_twin(module, prior_std, rho_init)
+            twin = moment_twin(module, prior_std, rho_init, prior)
             if twin is None:
                 raise ValueError(
                     f"method '{name}' cannot convert layer {child} ({module!r}) of backbone "
                     f"'{backbone.name}' into a moment-propagating layer; it converts "
                     f"{CONVERTS}. Backbones that work: {tabular_backbones()}")
             layers.append(twin)
-        layers.append(GaussianLinear(backbone.feature_dim, outputs, prior_std, rho_init))
+        layers.append(GaussianLinear(backbone.feature_dim, outputs, prior_std, rho_init, prior))
         self.net = MomentSequential(*layers)
+
+    @classmethod
+    def check_settings(cls, settings: dict[str, Any]) -> None:
+        """The choices and ranges of the config, before anything is read, built or written."""
+        check_options(**settings)
 
     def settings(self) -> dict[str, Any]:
         return {"variance": self.variance, "inference": self.inference,
-                "kl_weight": self.kl_weight}
+                "variance_link": self.variance_link, "prior": self.prior,
+                "kl_scale": self.kl_scale, "kl_weight": self.kl_weight,
+                "training": self.training_mode, "train_samples": self.train_samples,
+                "check_samples": self.check_samples}
 
     # -- moments: one analytic pass ----------------------------------------------------------
     def _moments(self, x: torch.Tensor) -> RegressionOutput:
@@ -127,18 +181,28 @@ class BayesianMLP(Method):
         d = self.out_dim
         if self.variance == "embedded":
             return RegressionOutput(mean, var + self.min_var)
-        aleatoric = F.softplus(mean[:, d:]) + self.min_var
+        # E[link(a₂)] under a₂'s propagated Gaussian: what MC inference estimates by sampling
+        aleatoric = expected_link(self.variance_link, mean[:, d:], var[:, d:]) + self.min_var
         return RegressionOutput(mean[:, :d], var[:, :d] + aleatoric, aleatoric)
 
     # -- Monte Carlo: S sampled weight sets ------------------------------------------------
-    def _sampled(self, x: torch.Tensor) -> RegressionOutput:
-        out = self.net.forward_sampled(x.expand(self.mc_samples, *x.shape))  # (S, B, outputs)
+    def _draws(self, x: torch.Tensor, samples: int) -> torch.Tensor:
+        """(B, in) → (S, B, outputs): the network under S independent weight draws
+        (reparameterised: gradients reach μ and ρ)."""
+        return self.net.forward_sampled(x.expand(samples, *x.shape))
+
+    def _from_draws(self, out: torch.Tensor, unbiased: bool) -> RegressionOutput:
+        """Predictive moments (B, out) from draws (S, B, outputs): mean and variance over the
+        draws of output 1, plus (learned) the mean over the draws of link(output 2)."""
         d = self.out_dim
-        mean, epistemic = out[..., :d].mean(0), out[..., :d].var(0, unbiased=False)
+        mean, epistemic = out[..., :d].mean(0), out[..., :d].var(0, unbiased=unbiased)
         if self.variance == "embedded":
             return RegressionOutput(mean, epistemic + self.min_var)
-        aleatoric = F.softplus(out[..., d:]).mean(0) + self.min_var
+        aleatoric = apply_link(self.variance_link, out[..., d:]).mean(0) + self.min_var
         return RegressionOutput(mean, epistemic + aleatoric, aleatoric)
+
+    def _sampled(self, x: torch.Tensor) -> RegressionOutput:
+        return self._from_draws(self._draws(x, self.mc_samples), unbiased=False)
 
     def forward(self, x: torch.Tensor, inference: str | None = None) -> RegressionOutput:
         """(B, in) → predictive mean and variances of shape (B, out)."""
@@ -149,8 +213,76 @@ class BayesianMLP(Method):
 
     def loss(self, batch: Batch, share: float = 1.0) -> torch.Tensor:
         """Σ NLL over the batch + β·KL; a micro-batch that is ``share`` of its optimiser step
-        adds that share of β·KL, so the micro-batches of a step add up to the step's ELBO."""
+        adds that share of β·KL, so the micro-batches of a step add up to the step's ELBO.
+
+        The NLL's mean and var come from one moment pass (``training: moments``) or from
+        ``train_samples`` weight draws (``training: sampling``; unbiased sample variance)."""
         x, y = batch
-        out = self._moments(x)
+        if self.training_mode == "sampling":
+            out = self._from_draws(self._draws(x, self.train_samples), unbiased=True)
+        else:
+            out = self._moments(x)
         nll = 0.5 * (torch.log(2 * math.pi * out.var) + (y - out.mean) ** 2 / out.var).sum()
         return nll + self.kl_weight * share * self.net.kl()
+
+    # -- moments vs Monte Carlo ----------------------------------------------------------------
+    @torch.no_grad()
+    def diagnostics(self, inputs: torch.Tensor) -> dict[str, float]:
+        """How far moment inference is from Monte Carlo over ``check_samples`` weight draws, on
+        the first ``CHECK_INPUTS`` rows of ``inputs`` (B, in); {} when check_samples is 0.
+
+        mc_mean_gap: mean over inputs and targets of |μ_moments − μ_MC| / σ_MC; mc_std_ratio:
+        mean of σ_moments / σ_MC (total predictive σ); mc_samples: S. The draws come from a
+        fixed seed and the global random state is restored afterwards, so the hook neither
+        depends on nor changes what the run draws elsewhere.
+        """
+        if self.check_samples == 0:
+            return {}
+        x = inputs[:CHECK_INPUTS]
+        mom = self._moments(x)
+        with _private_rng(x.device, seed=0):
+            mean, var = self._mc_moments(x, self.check_samples, mom.mean.double())
+        sd_mc = var.sqrt()
+        return {"mc_mean_gap": ((mom.mean.double() - mean).abs() / sd_mc).mean().item(),
+                "mc_std_ratio": (mom.var.double().sqrt() / sd_mc).mean().item(),
+                "mc_samples": self.check_samples}
+
+    def _mc_moments(self, x: torch.Tensor, samples: int,
+                    shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Predictive mean and total variance (B, out), float64, over ``samples`` weight draws
+        taken in chunks of at most CHECK_CHUNK_ELEMENTS drawn weights and activations, so
+        memory stays bounded whatever S and the width. Sums are taken around ``shift`` (B, out),
+        a close guess of the mean, so Σy² − (Σy)²/S does not cancel."""
+        d = self.out_dim
+        layers = [m for m in self.net if isinstance(m, GaussianLinear)]
+        per_draw = sum(m.weight_mu.numel() + m.bias_mu.numel() + x.shape[0] * m.out_features
+                       for m in layers)
+        chunk = max(1, min(samples, CHECK_CHUNK_ELEMENTS // per_draw))
+        total = torch.zeros_like(shift)
+        square = torch.zeros_like(shift)
+        link = torch.zeros_like(shift)
+        for start in range(0, samples, chunk):
+            out = self._draws(x, min(chunk, samples - start)).double()  # (s, B, outputs)
+            y = out[..., :d] - shift
+            total += y.sum(0)
+            square += (y * y).sum(0)
+            if self.variance == "learned":
+                link += apply_link(self.variance_link, out[..., d:]).sum(0)
+        epistemic = ((square - total * total / samples) / (samples - 1)).clamp_min(0)
+        return shift + total / samples, epistemic + link / samples + self.min_var
+
+
+@contextlib.contextmanager
+def _private_rng(device: torch.device, seed: int) -> Iterator[None]:
+    """Random draws inside come from ``seed`` on the CPU's generator and ``device``'s; the
+    global random state of both is restored on exit."""
+    accelerator = device.type in ("cuda", "mps")
+    with torch.random.fork_rng(devices=[device] if accelerator else [],
+                               device_type=device.type if accelerator else "cuda"):
+        torch.random.default_generator.manual_seed(seed)
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)  # this device's generator only
+        elif device.type == "mps":
+            torch.mps.manual_seed(seed)
+        yield

@@ -1,0 +1,313 @@
+"""The BNN's learned-variance link, prior, KL scale, training by sampling, and its moment-vs-Monte
+Carlo diagnostics (recorded by the runner as test/mc_*)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from tests.helpers import run_cli
+from uqbench.backbones.mlp import MLP
+from uqbench.configs import check_types
+from uqbench.contracts import DataInfo, RegressionOutput
+from uqbench.data.polynomial import PolynomialData
+from uqbench.loggers import NullLogger
+from uqbench.methods import bnn as bnn_module
+from uqbench.methods.bnn import BayesianMLP
+from uqbench.tasks.regression import RegressionTask
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+INFO = DataInfo("regression", in_dim=1, out_dim=1, num_train_batches=20)
+DRAWS = 100_000
+
+
+class _Losses(NullLogger):
+    """Records each epoch's mean training loss."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.losses.append(metrics["train/loss"])
+
+
+def _fit(method: BayesianMLP, data: PolynomialData, epochs: int = 40) -> list[float]:
+    cfg = OmegaConf.create({"_target_": "uqbench.training.Trainer",
+                            "epochs": epochs, "grad_clip": None, "warmup_epochs": 0,
+                            "schedule": "constant", "select": "last", "val_every": 1000,
+                            "progress": False,
+                            "optimizer": {"_target_": "torch.optim.Adam", "_partial_": True,
+                                          "lr": 1e-2}})
+    logger = _Losses()
+    instantiate(cfg).fit(method, data, RegressionTask(), logger)
+    return logger.losses
+
+
+def _draws(method: BayesianMLP, x: torch.Tensor, n: int = DRAWS,
+           chunk: int = 20_000) -> torch.Tensor:
+    """(n, B, outputs) float64 network outputs under n weight draws."""
+    with torch.no_grad():
+        return torch.cat([method.net.forward_sampled(x.expand(chunk, *x.shape)).double()
+                          for _ in range(n // chunk)])
+
+
+def _deterministic_features(method: BayesianMLP) -> BayesianMLP:
+    """σ ≈ 1e-13 on the hidden layer: its features are fixed, so both outputs are exactly
+    Gaussian (a sum of Gaussian weights times fixed features) and every moment rule is exact."""
+    with torch.no_grad():
+        method.net[0].weight_rho.fill_(-30.0)
+        method.net[0].bias_rho.fill_(-30.0)
+    return method
+
+
+# --- the link: moments and Monte Carlo estimate the same E[link(a₂)] --------------------------
+
+@pytest.mark.parametrize("link", ["softplus", "exp"])
+def test_each_link_gives_the_same_aleatoric_variance_by_moments_and_by_sampling(link):
+    """With fixed features a₂ ~ N(m₂, v₂) exactly, so moment inference's E[link(a₂)] and the MC
+    average of link(a₂) over 1e5 weight draws agree within 5 standard errors; so do the means
+    and total variances. The output layer's σ is raised (ρ = 0: σ ≈ 0.7) so that v₂ matters."""
+    torch.manual_seed(0)
+    method = _deterministic_features(BayesianMLP(MLP(width=8), INFO, variance="learned",
+                                                 variance_link=link, rho_init=0.0))
+    x = torch.linspace(-2.0, 2.0, 9)[:, None]
+    with torch.no_grad():
+        mom = method(x, inference="moments")
+        mean, var = method.net(x, torch.zeros_like(x))
+    torch.manual_seed(1)
+    out = _draws(method, x)
+    y, a2 = out[..., :1], out[..., 1:]
+    f = torch.exp(a2) if link == "exp" else F.softplus(a2, threshold=50)
+    se = f.std(0) / math.sqrt(DRAWS)
+    assert var[:, 1].min() > 0.5  # a₂'s spread is far from negligible: Jensen's gap is large
+    assert torch.all((mom.var_aleatoric.double() - 1e-8 - f.mean(0)).abs() <= 5 * se)
+    # softplus of the mean (what moment inference used before) is off by far more than that
+    if link == "softplus":
+        assert torch.all((F.softplus(mean[:, 1:].double()) - f.mean(0)).abs() > 50 * se)
+    total = (y - y.mean(0)) ** 2 + f  # one draw's share of the total-variance estimate
+    assert torch.all((mom.mean.double() - y.mean(0)).abs() <= 5 * y.std(0) / math.sqrt(DRAWS))
+    assert torch.all((mom.var.double() - total.mean(0)).abs()
+                     <= 5 * total.std(0) / math.sqrt(DRAWS))
+
+
+def test_a_trained_learned_model_agrees_with_monte_carlo():
+    """A learned-variance BNN trained briefly on the polynomial (width 16, 40 epochs), against
+    1e5 weight draws.
+
+    One hidden layer, deterministic input: output 1's mean and variance and a₂'s mean and
+    variance are exact under mean-field, so they must match MC within 5 standard errors.
+    E[softplus(a₂)] assumes a₂ Gaussian, but a₂ = Σ_j w_j h_j + b is a sum of products: on this
+    model its skewness is about −0.2 and the aleatoric parts differ by up to ~45 % where a₂'s
+    tail carries E[softplus] (measured; 98 % with the old softplus(mean)). The derived check:
+    the moment value must equal the MC average of softplus over *Gaussian* draws with a₂'s MC
+    mean and variance (within 5 SE), and the total variance must match MC within 5 SE plus the
+    measured non-Gaussian gap Δ = MC average over weight draws − over the Gaussian draws. At this
+    width and training length the epistemic part dominates the total and Δ is well below the
+    MC error of the total (measured |z| ≤ 2.4 without Δ over 3 seeds, widths 8 and 16).
+    """
+    torch.manual_seed(0)
+    data = PolynomialData(n_train=400, n_val=100, n_test=300, n_ood=300, batch_size=100)
+    data.setup()
+    method = BayesianMLP(MLP(width=16), data.info, variance="learned")
+    _fit(method, data)
+    method.eval()
+    x = data.plot_grid(25)
+    with torch.no_grad():
+        mom = method(x, inference="moments")
+        mean, var = method.net(x, torch.zeros_like(x))
+    torch.manual_seed(1)
+    out = _draws(method, x)
+    root_n = math.sqrt(DRAWS)
+    y, a2 = out[..., :1], out[..., 1:]
+    # exact parts: output 1's mean and variance, a₂'s mean and variance
+    for draws, m, v in ((y, mean[:, :1], var[:, :1]), (a2, mean[:, 1:], var[:, 1:])):
+        centred = draws - draws.mean(0)
+        se_var = ((centred ** 2).var(0) / DRAWS).sqrt()
+        assert torch.all((m.double() - draws.mean(0)).abs() <= 5 * draws.std(0) / root_n)
+        assert torch.all((v.double() - draws.var(0)).abs() <= 5 * se_var)
+    # the Gaussian step: E[softplus] of N(a₂'s MC mean, MC variance), sampled
+    gen = torch.Generator().manual_seed(2)
+    gauss = a2.mean(0) + a2.std(0) * torch.randn(a2.shape, generator=gen, dtype=torch.float64)
+    fg, fw = F.softplus(gauss, threshold=50), F.softplus(a2, threshold=50)
+    ale = mom.var_aleatoric.double() - 1e-8
+    se_g = fg.std(0) / root_n
+    # a₂'s MC mean and variance are themselves off by their SE: allow for that too (σ'·δm, ½σ''δv)
+    slack = (torch.sigmoid(a2).mean(0) * a2.std(0) / root_n
+             + 0.125 * (((a2 - a2.mean(0)) ** 2).var(0) / DRAWS).sqrt())
+    assert torch.all((ale - fg.mean(0)).abs() <= 5 * se_g + 5 * slack)
+    gap = (fw.mean(0) - fg.mean(0)).abs()
+    total = (y - y.mean(0)) ** 2 + fw
+    assert torch.all((mom.var.double() - total.mean(0)).abs()
+                     <= 5 * total.std(0) / root_n + gap)
+    assert torch.all((mom.mean.double() - y.mean(0)).abs() <= 5 * y.std(0) / root_n)
+
+
+# --- training by sampling ---------------------------------------------------------------------
+
+def test_the_sampling_loss_is_the_gaussian_nll_of_the_draws(monkeypatch):
+    """Two fixed draws (S, B, outputs) = (2, 1, 2): output 1 ∈ {1, 3}, exp(output 2) ∈ {1, 3}:
+    mean 2, unbiased variance 2, mean link 2, so var = 4 + min_var; with y = 4 and no KL the
+    loss is ½(log 2π·4 + 2²/4), by hand."""
+    method = BayesianMLP(MLP(width=4), INFO, variance="learned", variance_link="exp",
+                         training="sampling", train_samples=2, kl_weight=0.0, min_var=0.0)
+    draws = torch.tensor([[[1.0, 0.0]], [[3.0, math.log(3.0)]]])
+    monkeypatch.setattr(method, "_draws", lambda x, n: draws[:n])
+    loss = method.loss((torch.zeros(1, 1), torch.tensor([[4.0]])))
+    assert loss.item() == pytest.approx(0.5 * (math.log(2 * math.pi * 4) + 1.0), rel=1e-6)
+
+
+def test_sampling_gradients_reach_every_parameter():
+    torch.manual_seed(0)
+    method = BayesianMLP(MLP(width=4, depth=2), INFO, variance="learned", training="sampling",
+                         train_samples=4)
+    method.loss((torch.randn(8, 1), torch.randn(8, 1))).backward()
+    for name, p in method.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("variance", ["embedded", "learned"])
+def test_training_by_sampling_learns_what_training_by_moments_learns(variance):
+    """An easy case, y = x + N(0, 0.2²): both trainings decrease the ELBO and predict alike —
+    means within half the noise σ of each other and σ within 25 %, both near the true 0.2."""
+    def trained(training: str) -> tuple[BayesianMLP, list[float]]:
+        torch.manual_seed(0)
+        data = PolynomialData(coefficients=[0.0, 1.0], noise_base=0.2, noise_scale=0.0,
+                              n_train=400, n_val=100, n_test=300, n_ood=300, batch_size=100)
+        data.setup()
+        method = BayesianMLP(MLP(width=8), data.info, variance=variance, training=training)
+        return method, _fit(method, data)
+
+    sampled, losses = trained("sampling")
+    moments, _ = trained("moments")
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < 0.1 * losses[0]
+    x = torch.linspace(-1.4, 1.4, 29)[:, None]
+    with torch.no_grad():
+        a, b = sampled(x), moments(x)
+    assert (a.mean - b.mean).abs().max() < 0.1
+    ratio = a.var.sqrt() / b.var.sqrt()
+    assert ratio.min() > 0.8 and ratio.max() < 1.25
+    for out in (a, b):
+        assert 0.15 < out.var.sqrt().mean() < 0.3
+
+
+# --- prior and KL scale ---------------------------------------------------------------------
+
+def test_fan_in_prior_and_kl_scale_set_the_kl_term():
+    """prior: fan_in divides each layer's prior std by √fan_in (1, 16, 16 here); kl_scale
+    multiplies β = 1/batches; an explicit kl_weight overrides it; the loss's KL term moves by
+    exactly (β₂ − β₁)·KL."""
+    torch.manual_seed(0)
+    fixed = BayesianMLP(MLP(width=16, depth=2), INFO, prior_std=0.8)
+    torch.manual_seed(0)
+    scaled = BayesianMLP(MLP(width=16, depth=2), INFO, prior_std=0.8, prior="fan_in",
+                         kl_scale=3.0)
+    assert [m.prior_std for m in scaled.net if hasattr(m, "prior_std")] == pytest.approx(
+        [0.8, 0.2, 0.2])
+    assert [m.prior_std for m in fixed.net if hasattr(m, "prior_std")] == [0.8] * 3
+    assert (fixed.kl_weight, scaled.kl_weight) == (pytest.approx(1 / 20), pytest.approx(3 / 20))
+    assert BayesianMLP(MLP(width=4), INFO, kl_scale=3.0, kl_weight=0.5).kl_weight == 0.5
+    batch = (torch.randn(10, 1), torch.randn(10, 1))
+    torch.manual_seed(0)
+    heavier = BayesianMLP(MLP(width=16, depth=2), INFO, prior_std=0.8, kl_scale=3.0)
+    with torch.no_grad():
+        step = heavier.loss(batch) - fixed.loss(batch)
+        assert step.item() == pytest.approx((2 / 20) * fixed.net.kl().item(), rel=1e-5)
+    assert scaled.settings() | {"kl_weight": None} == {
+        "variance": "embedded", "inference": "moments", "variance_link": "softplus",
+        "prior": "fan_in", "kl_scale": 3.0, "kl_weight": None, "training": "moments",
+        "train_samples": 16, "check_samples": 2000}
+
+
+# --- diagnostics -------------------------------------------------------------------------------
+
+class _Shifted(BayesianMLP):
+    """Moment inference deliberately wrong by a known amount: mean + 1·σ and variance × 4."""
+
+    def _moments(self, x: torch.Tensor) -> RegressionOutput:
+        out = super()._moments(x)
+        return RegressionOutput(out.mean + out.var.sqrt(), 4 * out.var, out.var_aleatoric)
+
+
+@pytest.mark.parametrize("variance", ["embedded", "learned"])
+def test_diagnostics_measure_the_moment_vs_mc_gap(variance, monkeypatch):
+    """Exact moments (fixed features): gap ≈ 0 and σ ratio ≈ 1 within MC error at S = 2000
+    (the mean gap's MC floor is E|N(0, 1/S)| ≈ 0.018; σ's relative SE is 1/√(2S) ≈ 0.016);
+    a model whose moments are off by +1σ in the mean and ×2 in σ reads gap ≈ 1 (|μ − μ_MC|/σ_MC
+    with σ_MC the true σ), ratio ≈ 2. Chunks of one or a few draws give the same statistics."""
+    x = torch.linspace(-2.0, 2.0, 300)[:, None]
+    for chunked in (False, True):
+        if chunked:  # a few draws per chunk, and a short last chunk
+            monkeypatch.setattr(bnn_module, "CHECK_CHUNK_ELEMENTS", 7 * 256 * 10)
+        torch.manual_seed(0)
+        exact = _deterministic_features(BayesianMLP(MLP(width=8), INFO, variance=variance,
+                                                    rho_init=-1.0))
+        found = exact.diagnostics(x)
+        assert set(found) == {"mc_mean_gap", "mc_std_ratio", "mc_samples"}
+        assert found["mc_samples"] == 2000
+        assert found["mc_mean_gap"] < 5 / math.sqrt(2000)
+        assert found["mc_std_ratio"] == pytest.approx(1.0, abs=5 / math.sqrt(4000))
+    torch.manual_seed(0)
+    wrong = _deterministic_features(_Shifted(MLP(width=8), INFO, variance=variance,
+                                             rho_init=-1.0))
+    found = wrong.diagnostics(x)
+    assert found["mc_mean_gap"] == pytest.approx(1.0, abs=0.1)
+    assert found["mc_std_ratio"] == pytest.approx(2.0, abs=0.1)
+
+
+def test_diagnostics_leave_the_random_state_alone_and_can_be_switched_off():
+    torch.manual_seed(0)
+    method = BayesianMLP(MLP(width=8, depth=2), INFO, variance="learned", check_samples=300)
+    x = torch.randn(20, 1)
+    state = torch.random.get_rng_state()
+    first = method.diagnostics(x)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    torch.randn(5)  # another random state: the diagnostics draw from their own seed
+    assert method.diagnostics(x) == first
+    assert BayesianMLP(MLP(width=8), INFO, check_samples=0).diagnostics(x) == {}
+
+
+# --- the runner --------------------------------------------------------------------------------
+
+TINY = ["trainer.epochs=3", "trainer.progress=false", "dataset.n_train=200", "dataset.n_val=50",
+        "dataset.n_test=100", "dataset.n_ood=100", "plot=false", "device=cpu"]
+
+
+def test_the_runner_records_diagnostics_and_changes_no_other_metric(compose_cfg, tmp_path):
+    """test/mc_* appear in every BNN run (check_samples=0 leaves them out), the other metrics
+    are those of a run without them, and job=eval on the run reproduces them exactly (the
+    draws come from a fixed seed)."""
+    from uqbench.run import run
+
+    common = [*TINY, f"paths.runs_dir={tmp_path}", "method.variance=learned",
+              "method.inference=mc", "method.mc_samples=50"]  # MC inference: RNG-sensitive
+    on = run(compose_cfg([*common, "run_name=on"]))
+    off = run(compose_cfg([*common, "run_name=off", "method.check_samples=0"]))
+    keys = {"test/mc_mean_gap", "test/mc_std_ratio", "test/mc_samples"}
+    assert keys <= set(on["metrics"]) and not keys & set(off["metrics"])
+    assert {k: v for k, v in on["metrics"].items() if k not in keys} == off["metrics"]
+    assert on["metrics"]["test/mc_samples"] == 2000
+    assert 0 <= on["metrics"]["test/mc_mean_gap"] < 1 and on["time"]["diagnostics_s"] > 0
+    stored = json.loads((tmp_path / "on" / "results.json").read_text())
+    assert stored["metrics"]["test/mc_std_ratio"] == on["metrics"]["test/mc_std_ratio"]
+    scored = run(compose_cfg([*common, "run_name=on", "job=eval",
+                              f"eval_run={tmp_path / 'on'}"]))
+    assert {k: scored["metrics"][k] for k in keys} == {k: on["metrics"][k] for k in keys}
+
+
+def test_a_bad_link_on_the_command_line_fails_before_anything_is_written(tmp_path, cfg):
+    with pytest.raises(ValueError, match=r"variance_link 'cube' is not one of"):
+        check_types(cfg("method.variance_link=cube").method, "method")
+    proc = run_cli(*TINY, f"paths.runs_dir={tmp_path}", "method.variance_link=cube",
+                   check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "method.variance_link 'cube' is not one of ('softplus', 'exp')" in proc.stderr
+    # refused by the config check, before the run folder is locked (no .lock file keeps its
+    # parent) or built; the runner then drops the folder Hydra made for its log
+    assert list(tmp_path.iterdir()) == []
