@@ -44,7 +44,9 @@ def test_run_writes_results_and_predictions_that_recompute(tmp_path):
     assert (run_dir / "config.yaml").exists() and (run_dir / "figure.png").exists()
     for split in ("test", "ood"):
         p = np.load(run_dir / "predictions" / f"{split}.npz")
-        assert set(p.files) == {"x", "y", "mean", "var", "var_aleatoric"}
+        assert set(p.files) == {"x", "y", "mean", "var", "var_aleatoric", "noise_std"}
+        # the data's true noise at these inputs: σ(x) = 0.05 + 0.3|x| (the dataset's default)
+        np.testing.assert_allclose(p["noise_std"], 0.05 + 0.3 * np.abs(p["x"]), rtol=1e-6)
         assert p["y"].shape == p["mean"].shape == (100, 1)
         assert np.all(p["var"] >= p["var_aleatoric"])
         y, mu, sd = p["y"].astype(np.float64), p["mean"], np.sqrt(p["var"].astype(np.float64))
@@ -55,6 +57,10 @@ def test_run_writes_results_and_predictions_that_recompute(tmp_path):
         assert m[f"{split}/coverage_2sigma"] == pytest.approx(
             (np.abs(y - mu) <= 2 * sd).mean(), abs=1e-9)
         assert m[f"{split}/mean_std"] == pytest.approx(sd.mean(), rel=1e-5)
+        true = p["noise_std"].astype(np.float64)
+        assert m[f"{split}/noise_std_ratio"] == pytest.approx(sd.mean() / true.mean(), rel=1e-5)
+        assert m[f"{split}/noise_std_error"] == pytest.approx(
+            np.abs(sd - true).mean() / true.mean(), rel=1e-5)
     if (run_dir / "predictions" / "test.npz").exists():
         x = np.load(run_dir / "predictions" / "ood.npz")["x"]
         assert np.all(np.abs(x) > 1.5)

@@ -51,8 +51,13 @@ def predict_splits(method: torch.nn.Module, data: Any, task: Any, device: torch.
     val) so that stochastic methods draw the same random numbers as before the validation pass
     existed."""
     val = ["val"] if data.has_val else []
-    return {split: task.predict(method, data.loader(split), device)
-            for split in [*data.eval_splits, *data.ood_splits, *val]}
+    predictions = {}
+    for split in [*data.eval_splits, *data.ood_splits, *val]:
+        preds = task.predict(method, data.loader(split), device)
+        if "x" in preds:  # the data's own truth at these inputs (a synthetic set's noise σ)
+            preds |= data.reference(split, preds["x"])
+        predictions[split] = preds
+    return predictions
 
 
 def score(predictions: dict[str, dict[str, np.ndarray]], task: Any,

@@ -40,6 +40,15 @@ def regression_metrics(y: torch.Tensor, mean: torch.Tensor,
     }
 
 
+def noise_recovery(std: torch.Tensor, true_std: torch.Tensor) -> dict[str, float]:
+    """How well a predicted σ(x) recovers the true noise σ(x) of a synthetic set, both (N, d):
+    ``noise_std_ratio`` = mean σ / mean true σ (below 1: noise underestimated) and
+    ``noise_std_error`` = mean |σ − true σ| / mean true σ (0: recovered point by point)."""
+    scale = true_std.mean()
+    return {"noise_std_ratio": (std.mean() / scale).item(),
+            "noise_std_error": ((std - true_std).abs().mean() / scale).item()}
+
+
 # --- classification ---------------------------------------------------------------------------
 # Inputs: member probabilities p of shape (M, N, C) (softmax of each member's logits) and labels
 # y of shape (N,) (int64). The predictive distribution is built by `aggregate` (default: the mean

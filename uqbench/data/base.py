@@ -66,6 +66,12 @@ class DataModule:
         """Key settings recorded in results.json."""
         return {}
 
+    def reference(self, split: str, x: Any) -> dict[str, Any]:
+        """What the data knows to be true at a split's inputs, saved beside the predictions and
+        scored by the task: a synthetic dataset's true noise std (``noise_std``, shape (N, d)).
+        Real data knows nothing: {}."""
+        return {}
+
     collate_fn = None  # set by datasets whose items need custom batching (e.g. tokenisation)
 
     # -- shared -------------------------------------------------------------------------------

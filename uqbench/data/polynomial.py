@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
@@ -113,6 +114,11 @@ class PolynomialData(DataModule):
         olo, ohi = self.ood_range
         pad = 0.05 * (ohi - olo)
         return torch.linspace(olo - pad, ohi + pad, n).unsqueeze(1)
+
+    def reference(self, split: str, x: np.ndarray) -> dict[str, np.ndarray]:
+        """The true noise std σ(x) at a split's inputs (N, 1): the task scores how well a
+        model's predicted σ recovers it."""
+        return {"noise_std": self.noise_std(torch.from_numpy(x).double()).float().numpy()}
 
     def truth(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """True conditional mean and noise std at x."""

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from uqbench.contracts import to_device
-from uqbench.metrics import regression_metrics
+from uqbench.metrics import noise_recovery, regression_metrics
 from uqbench.tasks.base import Predictions, Task
 
 
@@ -34,8 +34,10 @@ class RegressionTask(Task):
     def metrics(self, split: str, preds: Predictions,
                 calibration: dict[str, float] | None = None) -> dict[str, float]:
         t = {k: torch.from_numpy(preds[k]).double() for k in ("y", "mean", "var")}
-        return {f"{split}/{k}": v for k, v in regression_metrics(t["y"], t["mean"],
-                                                                 t["var"]).items()}
+        values = regression_metrics(t["y"], t["mean"], t["var"])
+        if "noise_std" in preds:  # the data knows its true noise: score its recovery
+            values |= noise_recovery(t["var"].sqrt(), torch.from_numpy(preds["noise_std"]).double())
+        return {f"{split}/{k}": v for k, v in values.items()}
 
     def ood_metrics(self, split: str, id_preds: Predictions, ood_preds: Predictions,
                     calibration: dict[str, float] | None = None) -> dict[str, float]:
