@@ -70,10 +70,15 @@ def test_the_walk_sees_the_package():
     assert "uqbench.metrics" in GRAPH["uqbench.tasks.classification"]  # `from uqbench import`
 
 
-@pytest.mark.parametrize("layer", ["metrics", "tables", "contracts", "configs", "runfolder",
+@pytest.mark.parametrize("layer", ["metrics", "claims", "contracts", "configs", "runfolder",
                                    "checkpoints", "fsdp"])
 def test_leaf_modules_import_nothing_of_the_project(layer):
     assert GRAPH[f"uqbench.{layer}"] == set()
+
+
+def test_tables_import_only_the_claims():
+    # tables read results files of any version and any user: they lean on nothing else of ours
+    assert GRAPH["uqbench.tables"] <= {"uqbench.claims"}
 
 
 def test_data_never_imports_methods_or_backbones():

@@ -246,6 +246,7 @@ def ensemble_results(members: list[Member], config: dict[str, Any], run: str,
     return {
         **{k: first[k] for k in ("experiment", "dataset", "method", "backbone", "seed")},
         "run": run,
+        "variant": first.get("variant"),
         "overrides": overrides,
         "settings": settings,
         "params": method_cls.combine_param_counts([r["params"] for r in res],

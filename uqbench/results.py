@@ -43,12 +43,13 @@ def group_settings(node: DictConfig) -> dict[str, Any]:
 
 
 def run_header(cfg: DictConfig) -> dict[str, Any]:
-    """The keys every results.json starts with: experiment, run folder, choices, overrides."""
+    """The keys every results.json starts with: experiment, run folder, choices, variant (the
+    setup's label within its experiment, or None), overrides."""
     choices = group_choices(cfg)
     return {"experiment": cfg.experiment_name, "run": cfg.run_subdir,
             "dataset": choices["dataset"], "method": choices["method"],
             "backbone": choices["backbone"], "seed": int(cfg.seed),
-            "overrides": cli_overrides()}
+            "variant": cfg.get("variant"), "overrides": cli_overrides()}
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -2,7 +2,7 @@
 
 (Longer than uqbench's other modules on purpose: it validates every results file it reads —
 they come from any version and any user — and builds the tables and their figures from the same
-validated runs; it imports nothing else of uqbench.)
+validated runs; it imports nothing else of uqbench but :mod:`uqbench.claims`.)
 
 Scans ``<runs_dir>/**/results.json`` and, for every experiment whose runs carry a ``table`` spec
 (declared in ``conf/experiment/<name>.yaml`` and copied into each results.json), writes
@@ -15,6 +15,10 @@ cell the mean ± std over seeds. The spec::
       columns: [{key: metrics.test/nll, title: test NLL, fmt: ".3f", scale: 1}, …]
       paper:   [{row: {method: sve}, values: {ACC: 95.4}}, …]        # optional reference numbers
       figure:  {x: params.trainable, y: [metrics.test/nll], hue: settings.method.variance}
+      claims:  [{claim: "…", kind: greater, key: metrics.test/nll, a: {…}, b: {…}}, …]
+
+A spec with ``claims`` also gets ``<experiment>_claims.md``/``.csv``: each claim of the paper,
+the measurement that tests it and whether it holds (:mod:`uqbench.claims`).
 
 Paper values are matched on row titles and shown in a "<column> (paper)" column beside ours.
 Tables read only results.json files, never a logger.
@@ -53,6 +57,8 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+
+from uqbench.claims import InvalidClaims, check_claims, write_claims
 
 
 def get_path(obj: dict[str, Any], dotted: str) -> Any:
@@ -143,6 +149,11 @@ def _check_spec(spec: Any) -> None:
         raise InvalidResults("table.figures is not an object {name: figure}")
     for figure in _figures(spec).values():
         _figure_keys(figure)
+    if spec.get("claims") is not None:
+        try:
+            check_claims(spec["claims"], [r["title"] for r in spec["rows"]])
+        except InvalidClaims as err:
+            raise InvalidResults(str(err)) from err
 
 
 def _figures(spec: dict[str, Any]) -> dict[str, Any]:
@@ -411,6 +422,11 @@ def write_tables(runs_dir: Path, out_dir: Path, only: str | list[str] | None = N
         numeric.to_csv(out_dir / f"{exp}.csv", index=False)
         for suffix, figure in _figures(spec).items():
             summary_figure(runs, figure, out_dir / f"{exp}{suffix}.png", title)
+        if spec.get("claims"):
+            write_claims(runs, spec, out_dir, exp)
+        else:  # a claims file left from an older spec would pass for this one's
+            for stale in out_dir.glob(f"{exp}_claims.*"):
+                stale.unlink()
         written[exp] = out_dir / f"{exp}.md"
     return written
 
@@ -433,8 +449,11 @@ def main(argv: list[str] | None = None) -> None:
     if not written:
         print(f"no valid results with a table spec under {args.runs}", file=sys.stderr)
     for exp, path in written.items():
+        claims = path.with_name(f"{exp}_claims.md")
         if not args.quiet:
             print(path.read_text())
+            if claims.exists():
+                print(claims.read_text())
         extras = [p.name for p in sorted(path.parent.glob(f"{exp}.*")) if p != path]
         print(f"→ {path} (+ {', '.join(extras)})\n")
 
