@@ -133,3 +133,25 @@ def test_every_classification_method_has_a_p1_recipe(compose_cfg, method):
     """P1 experiments select trainer=${method}: every ensemble method needs its recipe file."""
     cfg = compose_cfg(["experiment=p1_flowers102", f"method={method}"])
     _check_built("trainer", cfg.trainer)
+
+
+@pytest.mark.parametrize("setup", group_options("p2_setup"))
+def test_every_p2_setup_changes_the_width_sweep_recipe_and_labels_it(compose_cfg, setup):
+    cfg = compose_cfg(["experiment=p2_claims", f"+p2_setup={setup}"])
+    base = compose_cfg(["experiment=p2_claims", "+p2_setup=default"])
+    assert cfg.variant == setup and cfg.experiment_name == "p2_claims"
+    assert OmegaConf.select(cfg, "method.name").endswith(f"_{setup}")  # its own run folders
+    changed = [k for k in ("method", "dataset", "trainer")
+               if OmegaConf.to_container(cfg[k]) != OmegaConf.to_container(base[k])]
+    assert bool(changed) == (setup != "default"), changed
+
+
+def test_the_calibrated_setup_is_the_methods_default(compose_cfg):
+    # conf/p2_setup/calibrated.yaml restates the BNN default that p2_calibration chose: the two
+    # must not drift apart
+    default = compose_cfg(["method=bnn"]).method
+    calibrated = compose_cfg(["experiment=p2_width_sweep", "+p2_setup=calibrated"]).method
+    for key in ("prior", "prior_std", "kl_scale", "kl_weight", "rho_init"):
+        assert calibrated[key] == default[key], key
+    full = compose_cfg(["experiment=p2_width_sweep"]).method  # the paper's full ELBO
+    assert (full.prior, full.prior_std, full.kl_scale) == ("fixed", 1.0, 1.0)
