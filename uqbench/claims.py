@@ -194,8 +194,12 @@ def write_claims(runs: list[Run], spec: dict[str, Any], out_dir, exp: str) -> li
                   "over seeds.")
     else:
         frame = claims_table(runs, spec)
-        legend = ("holds: the measurement has the claimed sign in every seed (greater), or "
-                  "no resolved difference (alike), or lies in the stated range (ratio).")
+        legend = ("Paired by seed. holds: the claimed sign in every seed (greater, below, "
+                  "above), no resolved difference (alike: the seeds disagree in sign or the "
+                  "mean gap is within the tolerance), or inside the stated range (ratio); "
+                  "unclear: the mean has the claimed sign but a seed disagrees; does not "
+                  "hold: the mean does not have the claimed sign, or the value is out of "
+                  "range.")
     md = (f"## {title}\n\n" + frame.to_markdown(index=False, disable_numparse=True)
           + f"\n\n{legend}\n")
     paths = [out_dir / f"{exp}_claims.md", out_dir / f"{exp}_claims.csv"]
