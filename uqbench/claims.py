@@ -34,6 +34,7 @@ Imports nothing of uqbench; the runs are dicts as ``uqbench.tables`` loads them.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -51,12 +52,14 @@ class InvalidClaims(ValueError):
     """A claims spec that cannot be evaluated; the message names the entry and the problem."""
 
 
-def _get(obj: Any, dotted: str) -> Any:
+def get_path(obj: dict[str, Any], dotted: str) -> Any:
+    """Value at a dotted path; a metric key such as ``metrics.test/nll`` keeps its slash."""
+    cur: Any = obj
     for part in dotted.split("."):
-        if not isinstance(obj, dict) or part not in obj:
+        if not isinstance(cur, dict) or part not in cur:
             return None
-        obj = obj[part]
-    return obj
+        cur = cur[part]
+    return cur
 
 
 def check_claims(claims: Any, row_titles: list[str]) -> None:
@@ -92,7 +95,7 @@ def check_claims(claims: Any, row_titles: list[str]) -> None:
 
 def _value(run: Run, key: str | list[str]) -> float | None:
     keys = key if isinstance(key, list) else [key]
-    values = [_get(run, k) for k in keys]
+    values = [get_path(run, k) for k in keys]
     if any(not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v)
            for v in values):
         return None
@@ -104,15 +107,11 @@ def _per_seed(runs: list[Run], rows: list[dict], sel: dict, key: Any) -> dict[in
     by_title = {r["title"]: r["key"] for r in rows}
     out = {}
     for run in runs:
-        if all(str(_get(run, by_title[t])) == str(v) for t, v in sel.items()):
+        if all(str(get_path(run, by_title[t])) == str(v) for t, v in sel.items()):
             value = _value(run, key)
             if value is not None:
                 out.setdefault(int(run["seed"]), value)
     return out
-
-
-def _fmt(x: float, fmt: str) -> str:
-    return format(x, fmt)
 
 
 def evaluate(claim: dict, runs: list[Run], rows: list[dict]) -> dict[str, Any]:
@@ -143,7 +142,7 @@ def evaluate(claim: dict, runs: list[Run], rows: list[dict]) -> dict[str, Any]:
     shown = (np.array([(b if claim["kind"] == "below" else a)[s] for s in seeds])
              if claim["kind"] in ONE_SIDED else d)
     mean, std = float(shown.mean()), float(shown.std(ddof=1)) if len(d) > 1 else math.nan
-    text = _fmt(mean, fmt) + (f" ± {_fmt(std, fmt)}" if len(d) > 1 else "")
+    text = format(mean, fmt) + (f" ± {format(std, fmt)}" if len(d) > 1 else "")
     if claim["kind"] in ("greater", *ONE_SIDED):
         verdict = HOLDS if (d > 0).all() else FAILS if d.mean() <= 0 else UNCLEAR
     else:  # alike
@@ -169,10 +168,10 @@ def claims_grid(runs: list[Run], spec: dict[str, Any]) -> pd.DataFrame:
     number); each cell the verdict's mark and the value."""
     check_claims(spec["claims"], [r["title"] for r in spec["rows"]])
     by = spec["claims_by"]
-    setups = sorted({str(_get(r, by)) for r in runs})
+    setups = sorted({str(get_path(r, by)) for r in runs})
     table = []
     for setup in setups:
-        sub = [r for r in runs if str(_get(r, by)) == setup]
+        sub = [r for r in runs if str(get_path(r, by)) == setup]
         row = {by.split(".")[-1]: setup}
         for i, claim in enumerate(spec["claims"], 1):
             res = evaluate(claim, sub, spec["rows"])
@@ -181,10 +180,9 @@ def claims_grid(runs: list[Run], spec: dict[str, Any]) -> pd.DataFrame:
     return pd.DataFrame(table)
 
 
-def write_claims(runs: list[Run], spec: dict[str, Any], out_dir, exp: str) -> list:
+def write_claims(runs: list[Run], spec: dict[str, Any], out_dir: Path | str,
+                 exp: str) -> list[Path]:
     """Write ``<exp>_claims.md``/``.csv`` (and with ``claims_by`` the grid); the paths."""
-    from pathlib import Path
-
     out_dir = Path(out_dir)
     title = f"{spec.get('title', exp)}: claims"
     if spec.get("claims_by"):

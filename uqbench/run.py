@@ -424,8 +424,8 @@ def eval_job(cfg: DictConfig) -> dict[str, Any]:
             method, data, task, _ = build_parts(source_cfg, device)
             method.load_trainable_state({k: v.to(device) for k, v in state["trainable"].items()})
             parts.append(predict_splits(method, data, task, device))
-            # a model scored from one checkpoint can check itself; members combined cannot
-            diagnostics = method_diagnostics(method, data, device) if len(configs) == 1 else {}
+        # a model scored from one checkpoint can check itself; members combined cannot
+        diagnostics = method_diagnostics(method, data, device) if len(parts) == 1 else {}
         predictions = parts[0] if len(parts) == 1 else {
             split: {k: (np.concatenate([p[split][k] for p in parts]) if k == "member_probs"
                         else v) for k, v in parts[0][split].items()} for split in parts[0]}

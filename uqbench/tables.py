@@ -58,18 +58,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from uqbench.claims import InvalidClaims, check_claims, write_claims
-
-
-def get_path(obj: dict[str, Any], dotted: str) -> Any:
-    """Value at a dotted path; a metric key such as ``metrics.test/nll`` keeps its slash."""
-    cur: Any = obj
-    for part in dotted.split("."):
-        if not isinstance(cur, dict) or part not in cur:
-            return None
-        cur = cur[part]
-    return cur
-
+from uqbench.claims import InvalidClaims, check_claims, get_path, write_claims
 
 Run = dict[str, Any]
 
