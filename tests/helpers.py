@@ -42,3 +42,17 @@ def build_method(cfg, backbone: str, method: str, *overrides: str, reference: bo
     torch.manual_seed(0)
     info = info or DataInfo(task="classification", num_classes=3)
     return instantiate(c.method)(backbone=bb, info=info), ref
+
+
+def quick_trainer(epochs: int, lr: float = 1e-2, optimizer: str = "torch.optim.Adam",
+                  val_every: int = 1000, **settings):
+    """A Trainer built from config as the runner builds it: constant lr, no warm-up, no
+    clipping, last epoch kept, no progress bar; ``settings`` override any field."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    return instantiate(OmegaConf.create({
+        "_target_": "uqbench.training.Trainer", "epochs": epochs, "grad_clip": None,
+        "warmup_epochs": 0, "schedule": "constant", "select": "last", "val_every": val_every,
+        "progress": False, **settings,
+        "optimizer": {"_target_": optimizer, "_partial_": True, "lr": lr}}))

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
+from tests.helpers import quick_trainer
 from uqbench.backbones.base import Backbone
 from uqbench.backbones.mlp import MLP
 from uqbench.contracts import DataInfo
@@ -91,13 +90,7 @@ def _trained(variance: str) -> tuple[BayesianMLP, PolynomialData]:
     data.setup()
     method = BayesianMLP(MLP(width=8), data.info, variance=variance, rho_init=-2.0,
                          mc_samples=20_000)
-    cfg = OmegaConf.create({"_target_": "uqbench.training.Trainer",
-                            "epochs": 40, "grad_clip": None, "warmup_epochs": 0,
-                            "schedule": "constant", "select": "last", "val_every": 20,
-                            "progress": False,
-                            "optimizer": {"_target_": "torch.optim.Adam", "_partial_": True,
-                                          "lr": 1e-2}})
-    instantiate(cfg).fit(method, data, RegressionTask(), NullLogger())
+    quick_trainer(40, val_every=20).fit(method, data, RegressionTask(), NullLogger())
     return method, data
 
 
@@ -158,14 +151,9 @@ class _NaNAt(Method):
 def test_nan_loss_names_epoch_and_step():
     data = PolynomialData(n_train=400, batch_size=100)  # 4 steps per epoch
     data.setup()
-    cfg = OmegaConf.create({"_target_": "uqbench.training.Trainer",
-                            "epochs": 3, "grad_clip": None, "warmup_epochs": 0,
-                            "schedule": "constant", "select": "last", "val_every": 100,
-                            "progress": False,
-                            "optimizer": {"_target_": "torch.optim.SGD", "_partial_": True,
-                                          "lr": 0.1}})
+    trainer = quick_trainer(3, lr=0.1, optimizer="torch.optim.SGD", val_every=100)
     with pytest.raises(NonFiniteLossError, match="epoch 2, step 3"):
-        instantiate(cfg).fit(_NaNAt(2, 3), data, RegressionTask(),
+        trainer.fit(_NaNAt(2, 3), data, RegressionTask(),
                              NullLogger())
 
 

@@ -9,10 +9,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
-from tests.helpers import run_cli
+from tests.helpers import quick_trainer, run_cli
 from uqbench.backbones.mlp import MLP
 from uqbench.configs import check_types
 from uqbench.contracts import DataInfo, RegressionOutput
@@ -39,14 +37,8 @@ class _Losses(NullLogger):
 
 
 def _fit(method: BayesianMLP, data: PolynomialData, epochs: int = 40) -> list[float]:
-    cfg = OmegaConf.create({"_target_": "uqbench.training.Trainer",
-                            "epochs": epochs, "grad_clip": None, "warmup_epochs": 0,
-                            "schedule": "constant", "select": "last", "val_every": 1000,
-                            "progress": False,
-                            "optimizer": {"_target_": "torch.optim.Adam", "_partial_": True,
-                                          "lr": 1e-2}})
     logger = _Losses()
-    instantiate(cfg).fit(method, data, RegressionTask(), logger)
+    quick_trainer(epochs).fit(method, data, RegressionTask(), logger)
     return logger.losses
 
 

@@ -10,6 +10,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from tests.helpers import quick_trainer
 from uqbench.configs import build
 from uqbench.contracts import RegressionOutput
 from uqbench.data.polynomial import PolynomialData
@@ -57,13 +58,9 @@ def test_warmup_steps_override_warmup_epochs(monkeypatch):
         return step(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.SGD, "step", record)
-    cfg = OmegaConf.create({"_target_": "uqbench.training.Trainer",
-                            "epochs": 3, "grad_clip": None, "warmup_epochs": 2,
-                            "warmup_steps": 4, "schedule": "constant", "select": "last",
-                            "val_every": 100, "progress": False,
-                            "optimizer": {"_target_": "torch.optim.SGD", "_partial_": True,
-                                          "lr": 1.0}})
-    instantiate(cfg).fit(method, data, RegressionTask(), NullLogger())
+    trainer = quick_trainer(3, lr=1.0, optimizer="torch.optim.SGD", val_every=100,
+                            warmup_epochs=2, warmup_steps=4)
+    trainer.fit(method, data, RegressionTask(), NullLogger())
     assert seen == pytest.approx([0.25, 0.5, 0.75, 1.0] + [1.0] * 8)
 
 
