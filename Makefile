@@ -49,8 +49,12 @@ tables: $(STAMP)  ## Build every experiment's table from runs/**/results.json in
 p1-tables: $(STAMP)  ## Every P1 table from the runs that exist, and which runs are missing
 	$(BIN)/python -m uqbench.sweeps --tables tables
 
-bench: $(STAMP)  ## Speed benchmarks (moment propagation vs Monte Carlo inference), into tables/
-	$(BIN)/python -m uqbench.bench --out tables/bench_bnn.md
+# BENCH_ARGS: e.g. "--parts bnn" or "--members 4 --models vit" for a shorter run
+BENCH_ARGS ?=
+
+bench: $(STAMP)  ## Speed and memory beside the anchors (fastbnns, torch-uncertainty) → tables/bench.md, .json
+	$(BIN)/pip install -q -c constraints.txt -e ".[bench]"
+	$(BIN)/python -m uqbench.bench --out tables $(BENCH_ARGS)
 
 data: $(STAMP)  ## Fetch datasets: make data DATASETS="cifar100 sst2" (none given: show what is in the data root)
 	@if [ -z "$(DATASETS)" ]; then $(BIN)/uqbench-data list; \

@@ -1,0 +1,100 @@
+"""`make bench`: uqbench's speed and memory figures beside what a user would otherwise run.
+
+``python -m uqbench.bench`` measures, in one process and side by side:
+- moment propagation against a plain forward, Monte Carlo and fastbnns (:mod:`.bnn`);
+- SVE, LoRA-Ensemble, Deep Ensemble, MC-Dropout and a single model on ViT-S/16 and BERT-base,
+  with torch-uncertainty's wrappers as anchors, and the targeted layers' memory, LLaMA-2-7B's
+  included (:mod:`.ensembles`);
+and writes ``tables/bench.json`` (a list of records: figure, ours, anchor, anchor_value,
+target, unit, device, …) and ``tables/bench.md``. The anchors come from the optional ``bench``
+extra (``pip install -e ".[bench]"``, which ``make bench`` runs); a missing anchor is reported
+as skipped. On CPU the process restarts itself once with glibc's allocator settings
+(:data:`.timing.ALLOCATOR`), which apply to it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from uqbench.bench import report
+from uqbench.bench.timing import ensure_allocator
+
+PARTS = ("bnn", "ensembles", "layers")
+
+
+def _csv(text: str) -> list[str]:
+    return [t for t in text.split(",") if t]
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m uqbench.bench", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"any of {', '.join(PARTS)}")
+    p.add_argument("--models", default="vit,bert", help="ensembles on: vit, bert (tiny_vit, "
+                   "tiny_bert: the same code on tiny shapes)")
+    p.add_argument("--members", default="4,8,16", help="ensemble sizes M (the first one also "
+                   "gets the anchors and the full repeats)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats of the ensembles "
+                   "(the moment pass gets 10×)")
+    p.add_argument("--quick", action="store_true", help="tiny shapes, few repeats: checks "
+                   "that every figure is produced, in seconds")
+    p.add_argument("--out", type=Path, default=Path("tables"), help="folder for bench.json/.md")
+    args = p.parse_args(argv)
+    bad = [x for x in _csv(args.parts) if x not in PARTS]
+    if bad:
+        p.error(f"--parts {bad} not among {PARTS}")
+    bad = [x for x in _csv(args.models) if x not in ("vit", "bert", "tiny_vit", "tiny_bert")]
+    if bad:
+        p.error(f"--models {bad} not among vit, bert, tiny_vit, tiny_bert")
+    try:
+        args.members = [int(m) for m in _csv(args.members)]
+    except ValueError:
+        p.error(f"--members must be integers separated by commas, got {args.members!r}")
+    if not args.members or min(args.members) < 2:
+        p.error(f"--members must be ensemble sizes >= 2, got {args.members}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: no CUDA device here; use --device cpu")
+    if device.type == "cpu":
+        ensure_allocator(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.WARNING)
+    from uqbench.bench import bnn, ensembles  # after the restart: imports take seconds
+
+    parts, records = _csv(args.parts), []
+    start = time.perf_counter()
+    if "bnn" in parts:
+        records += bnn.run(device, repeats=2 * args.repeats if args.quick else 10 * args.repeats,
+                           quick=args.quick)
+        _progress("moment propagation", start)
+    if "ensembles" in parts:
+        records += ensembles.run(device, args.repeats, args.members, _csv(args.models),
+                                 batch=args.batch)
+        _progress("ensembles", start)
+    if "layers" in parts and not args.quick:
+        records += ensembles.llama_layer_memory()
+    header = report.write(records, args.out, device)
+    print(report.markdown(records, header))
+    print(f"wrote {args.out / 'bench.json'} and {args.out / 'bench.md'} "
+          f"({time.perf_counter() - start:.0f} s)")
+
+
+def _progress(part: str, start: float) -> None:
+    print(f"[bench] {part} done after {time.perf_counter() - start:.0f} s", file=sys.stderr,
+          flush=True)

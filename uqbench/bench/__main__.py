@@ -1,0 +1,3 @@
+from uqbench.bench import main
+
+main()

@@ -1,0 +1,228 @@
+"""Moment propagation against a plain forward, Monte Carlo and fastbnns (`make bench`).
+
+Figures, each on a Leaky-ReLU(0.1) MLP at batch 1024, float32, inference:
+- one moment-propagation pass / one plain forward of the same network (nn.Linear +
+  nn.LeakyReLU, the weight means), for 1→64→64→1 and 1→1024→1; the anchor is fastbnns on the
+  same network: its analytic Leaky-ReLU propagator and its default (unscented) one;
+- Monte Carlo inference with S = 10, 100, 1000 weight draws / one moment pass, with fastbnns'
+  Monte Carlo propagator as the anchor;
+- accuracy: the variance error of each inference against a 2·10⁵-draw Monte Carlo reference,
+  for one Leaky-ReLU unit across μ/σ from −40 to 40 (body |μ/σ| ≤ 3, tails beyond) and for the
+  1→64→64→1 network's predictive σ.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from uqbench.backbones.mlp import MLP
+from uqbench.bench.report import Record
+from uqbench.bench.timing import side_by_side
+from uqbench.contracts import DataInfo
+from uqbench.methods.bnn import BayesianMLP
+from uqbench.methods.moments import GaussianLinear, leaky_relu_moments
+
+SLOPE = 0.1
+NETS = {"1→64→64→1": (64, 2), "1→1024→1": (1024, 1)}
+SECTION_SPEED = "Moment propagation: speed (Leaky-ReLU MLP, batch 1024, inference)"
+SECTION_ACCURACY = "Moment propagation vs Monte Carlo: accuracy (variance error vs 2·10⁵ draws)"
+
+
+def build_bnn(width: int, depth: int, device: torch.device) -> BayesianMLP:
+    """uqbench's BNN (embedded variance) on MLP(width, depth) with 1 input and 1 output."""
+    info = DataInfo("regression", in_dim=1, out_dim=1, num_train_batches=20)
+    torch.manual_seed(0)
+    return BayesianMLP(MLP(width=width, depth=depth, slope=SLOPE), info).to(device).eval()
+
+
+def plain_twin(bnn: BayesianMLP) -> nn.Sequential:
+    """The deterministic network with the BNN's weight means: what a plain forward costs."""
+    layers: list[nn.Module] = []
+    for m in bnn.net:
+        if isinstance(m, GaussianLinear):
+            lin = nn.Linear(m.in_features, m.out_features)
+            with torch.no_grad():
+                lin.weight.copy_(m.weight_mu)
+                lin.bias.copy_(m.bias_mu)
+            layers.append(lin)
+        else:
+            layers.append(nn.LeakyReLU(SLOPE))
+    return nn.Sequential(*layers).to(bnn.net[0].weight_mu.device).eval()
+
+
+def moment_pass(bnn: BayesianMLP) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """x (B, 1) → (mean, var) of the output by uqbench's moment propagation (its fast path)."""
+    def run(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = bnn(x, inference="moments")
+        return out.mean, out.var
+    return run
+
+
+def fastbnns_models(plain: nn.Sequential) -> dict[str, Callable[[torch.Tensor], object]] | None:
+    """fastbnns' conversions of ``plain`` (None when fastbnns is not installed):
+    analytic (its Leaky-ReLU moment propagator), unscented (its default for Leaky-ReLU) and
+    Monte Carlo factories keyed by S."""
+    try:
+        from fastbnns.bnn import inference
+        from fastbnns.bnn.base import BNN
+        from fastbnns.bnn.types import MuVar
+    except ImportError:
+        return None
+    analytic = BNN(copy.deepcopy(plain), wrapper_kwargs_type={
+        "LeakyReLU": {"moment_propagator": inference.LeakyReLUa()}}).eval()
+    unscented = BNN(copy.deepcopy(plain)).eval()
+    out: dict[str, Callable[[torch.Tensor], object]] = {
+        "analytic": lambda x: analytic(MuVar(x)), "unscented": lambda x: unscented(MuVar(x))}
+    for s in (10, 100, 1000):
+        mc = BNN(copy.deepcopy(plain), wrapper_kwargs_type={
+            "Linear": {"moment_propagator": inference.MonteCarlo(n_samples=s)},
+            "LeakyReLU": {"moment_propagator": inference.MonteCarlo(n_samples=s)}}).eval()
+        out[f"mc{s}"] = (lambda m: lambda x: m(MuVar(x)))(mc)
+    return out
+
+
+def speed(device: torch.device, repeats: int, batch: int = 1024, quick: bool = False
+          ) -> list[Record]:
+    """The speed figures for both networks."""
+    records: list[Record] = []
+    for label, (width, depth) in ({"1→8→8→1": (8, 2)} if quick else NETS).items():
+        records += _speed_one(label, width, depth, device, repeats, batch, quick)
+    return records
+
+
+def _speed_one(label: str, width: int, depth: int, device: torch.device, repeats: int,
+               batch: int, quick: bool) -> list[Record]:
+    dev = str(device)
+    bnn = build_bnn(width, depth, device)
+    plain = plain_twin(bnn)
+    x = torch.linspace(-2, 2, batch, device=device).unsqueeze(1)
+    ours = moment_pass(bnn)
+    fns: dict[str, Callable[[], object]] = {"plain": lambda: plain(x), "ours": lambda: ours(x)}
+    anchors = fastbnns_models(plain)
+    for k in ("analytic", "unscented") if anchors else ():
+        fns[k] = functools.partial(anchors[k], x)
+    with torch.no_grad():
+        t = side_by_side(fns, device, repeats=repeats, warmup=3)
+    ratio = {k: v / t["plain"] for k, v in t.items()}
+    skipped = "fastbnns not installed: anchor skipped" if anchors is None else ""
+    return [
+        Record(f"moment pass / plain forward, {label}", ratio["ours"], "×", dev,
+               anchor="fastbnns analytic", anchor_value=ratio.get("analytic"),
+               target=None if anchors is None else ratio["analytic"] / 3,
+               target_rule="fastbnns analytic / 3", section=SECTION_SPEED,
+               note=skipped or f"plain forward {t['plain'] * 1e3:.3g} ms"),
+        Record(f"moment pass / plain forward, {label} (vs unscented)", ratio["ours"], "×", dev,
+               anchor="fastbnns unscented", anchor_value=ratio.get("unscented"),
+               section=SECTION_SPEED, note=skipped),
+        *mc_speed(bnn, x, anchors, label, device, max(3, repeats // 4), quick)]
+
+
+def mc_speed(bnn: BayesianMLP, x: torch.Tensor, anchors: dict | None, label: str,
+             device: torch.device, repeats: int, quick: bool) -> list[Record]:
+    """Monte Carlo inference with S draws / one moment pass, ours and fastbnns'."""
+    records = []
+    ours = moment_pass(bnn)
+    for s in (10, 100) if quick else (10, 100, 1000):
+        fns: dict[str, Callable[[], object]] = {
+            "moments": functools.partial(ours, x), "mc": functools.partial(bnn._draws, x, s)}
+        if anchors:
+            fns["anchor"] = functools.partial(anchors[f"mc{s}"], x)
+        with torch.no_grad():
+            t = side_by_side(fns, device, repeats=repeats, warmup=1)
+        records.append(Record(
+            f"Monte Carlo S = {s} / moment pass, {label}", t["mc"] / t["moments"], "×",
+            str(device), anchor=f"fastbnns Monte Carlo S = {s}",
+            anchor_value=t["anchor"] / t["moments"] if anchors else None,
+            section=SECTION_SPEED, note="" if anchors else "fastbnns not installed"))
+    return records
+
+
+def _rel(est: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    return (est - ref).abs() / ref
+
+
+def unit_accuracy(device: torch.device, reference: int = 200_000, trials: int = 20
+                  ) -> list[Record]:
+    """Relative error of Var[leaky_relu(z)], z ~ N(t, 1), against a ``reference``-draw Monte
+    Carlo estimate, t = μ/σ over [−40, 40]: the median over t in the body (|t| ≤ 3) and the
+    tails (3 < |t| ≤ 40). Monte Carlo with S draws: root-mean-square over ``trials`` repeats."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    t = torch.tensor([-40, -20, -10, -6, -4, -3, -2, -1, -0.5, 0, 0.5, 1, 2, 3, 4, 6, 10, 20, 40],
+                     dtype=torch.float64)
+    act = nn.LeakyReLU(SLOPE)
+    z = t[:, None] + torch.randn(len(t), reference, generator=gen, dtype=torch.float64)
+    ref = act(z).var(1)
+    floor = math.sqrt(2 / reference)  # relative standard error of a Gaussian-like variance
+    body, tails = t.abs() <= 3, t.abs() > 3
+    errors: dict[str, torch.Tensor] = {}
+    _, ours = leaky_relu_moments(t, torch.ones_like(t), SLOPE)
+    errors["uqbench moments"] = _rel(ours, ref)
+    anchor = _fastbnns_unit(t)
+    if anchor is not None:
+        errors["fastbnns analytic"] = _rel(anchor, ref)
+    for s in (10, 100, 1000):
+        draws = t[:, None, None] + torch.randn(len(t), trials, s, generator=gen,
+                                               dtype=torch.float64)
+        est = act(draws).var(-1)                                              # (T, trials)
+        errors[f"Monte Carlo S = {s}"] = ((_rel(est, ref[:, None]) ** 2).mean(1)).sqrt()
+    records = []
+    for name, err in errors.items():
+        for region, mask in (("body |μ/σ| ≤ 3", body), ("tails 3 < |μ/σ| ≤ 40", tails)):
+            records.append(Record(
+                f"Var error, one Leaky-ReLU unit, {region}: {name}",
+                100 * err[mask].median().item(), "%", str(device), section=SECTION_ACCURACY,
+                note=f"median over μ/σ; max {100 * err[mask].max().item():.3g} %; the "
+                     f"reference's own error ≈ {100 * floor:.2g} %"))
+    return records
+
+
+def _fastbnns_unit(t: torch.Tensor) -> torch.Tensor | None:
+    """fastbnns' analytic Leaky-ReLU variance for inputs N(t, 1) (None if not installed)."""
+    try:
+        from fastbnns.bnn import inference
+        from fastbnns.bnn.base import BNN
+        from fastbnns.bnn.types import MuVar
+    except ImportError:
+        return None
+    unit = BNN(nn.Sequential(nn.LeakyReLU(SLOPE)), wrapper_kwargs_type={
+        "LeakyReLU": {"moment_propagator": inference.LeakyReLUa()}})
+    with torch.no_grad():
+        out = unit(MuVar(t.clone(), torch.ones_like(t)))
+    return out.var
+
+
+def network_accuracy(device: torch.device, reference: int = 200_000, inputs: int = 64,
+                     quick: bool = False) -> list[Record]:
+    """Relative error of the 1→64→64→1 BNN's predictive σ (at initialisation, ρ₀ = −2) against
+    ``reference`` weight draws, on ``inputs`` points in [−2, 2]: moments and Monte Carlo S."""
+    width, depth = (8, 2) if quick else NETS["1→64→64→1"]
+    bnn = build_bnn(width, depth, device)
+    x = torch.linspace(-2, 2, inputs, device=device).unsqueeze(1)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        mom = bnn(x, inference="moments")
+        _, ref_var = bnn._mc_moments(x, reference, mom.mean.double())
+        ref_sd = ref_var.sqrt()
+        errors = {"uqbench moments": _rel(mom.var.double().sqrt(), ref_sd)}
+        for s in (10, 100, 1000):
+            draws = bnn._draws(x, s).double()
+            errors[f"Monte Carlo S = {s}"] = _rel(draws.std(0), ref_sd)
+    label = f"1→{width}→{width}→1"
+    return [Record(f"σ error, network {label}: {name}", 100 * err.median().item(), "%",
+                   str(device), section=SECTION_ACCURACY,
+                   note=f"median over {inputs} inputs; max {100 * err.max().item():.3g} %")
+            for name, err in errors.items()]
+
+
+def run(device: torch.device, repeats: int, quick: bool = False) -> list[Record]:
+    reference = 20_000 if quick else 200_000
+    return (speed(device, repeats, batch=64 if quick else 1024, quick=quick)
+            + unit_accuracy(device, reference=reference, trials=5 if quick else 20)
+            + network_accuracy(device, reference=reference, inputs=16 if quick else 64,
+                               quick=quick))

@@ -1,0 +1,305 @@
+"""Ensembles over a pretrained backbone, side by side (`make bench`).
+
+On ViT-S/16 at 224 px (random weights: speed does not depend on them) and BERT-base at length
+128, batch 8, float32, uqbench's methods are built from their configs exactly as a run builds
+them, then timed together: one training step (forward, backward, AdamW step) and one inference
+call (no grad) per method. Figures are ratios: SVE / Deep Ensemble, Deep Ensemble / single,
+LoRA-Ensemble / single, MC-Dropout (T passes) / single, with torch-uncertainty's Deep-Ensemble
+and MC-Dropout wrappers on the same network as anchors. Memory: the peak of a training step,
+the trainable state (parameters + gradients + optimiser state) and the memory of the targeted
+layers (SVE, its top-k form and LoRA-Ensemble), the last also for LLaMA-2-7B's shapes, counted
+on the meta device.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_module
+from hydra.utils import instantiate
+from torch import nn
+
+from uqbench.bench.report import Record
+from uqbench.bench.timing import peak_bytes, side_by_side, trainable_state_bytes
+from uqbench.contracts import DataInfo
+from uqbench.methods.layers import MemberLinear
+
+CLASSES = 10
+SECTION_TIME = "Ensembles: time ({model}, batch {batch})"
+SECTION_MEMORY = "Ensembles: memory ({model}, batch {batch})"
+SECTION_LAYERS = "Memory of the targeted layers"
+
+
+@dataclass
+class Model:
+    """A backbone to benchmark: its config and a batch of inputs for it."""
+
+    label: str
+    backbone: str
+    overrides: tuple[str, ...]
+    inputs: Callable[[int, torch.device], Any]
+
+
+def _images(size: int) -> Callable[[int, torch.device], Any]:
+    return lambda b, device: torch.randn(b, 3, size, size, device=device)
+
+
+def _tokens(length: int, vocab: int) -> Callable[[int, torch.device], Any]:
+    def make(b: int, device: torch.device) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, vocab, (b, length), generator=g)
+        return {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids, device=device)}
+    return make
+
+
+MODELS = {
+    "vit": Model("ViT-S/16, 224 px", "vits16_random", (), _images(224)),
+    "bert": Model("BERT-base, length 128", "bert_base", ("backbone.pretrained=false",),
+                  _tokens(128, 30522)),
+    # the same code paths on tiny shapes (tests, --quick)
+    "tiny_vit": Model("tiny ViT, 16 px", "tiny_vit", (), _images(16)),
+    "tiny_bert": Model("tiny BERT, length 16", "tiny_bert", (), _tokens(16, 30522)),
+}
+
+
+def build(model: Model, method: str, device: torch.device, *overrides: str) -> nn.Module:
+    """uqbench's method on the model's backbone, built from the real configs."""
+    with initialize_config_module("uqbench.conf", version_base="1.3"):
+        cfg = compose("config", overrides=[f"backbone={model.backbone}", f"method={method}",
+                                           *model.overrides, *overrides])
+    torch.manual_seed(0)
+    backbone = instantiate(cfg.backbone)
+    info = DataInfo(task="classification", num_classes=CLASSES)
+    return instantiate(cfg.method)(backbone=backbone, info=info).to(device)
+
+
+def _optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.05, foreach=True)
+
+
+class Stepper:
+    """One training step and one inference call of a uqbench method on a fixed batch."""
+
+    def __init__(self, method: nn.Module, inputs: Any, labels: torch.Tensor) -> None:
+        self.method, self.inputs, self.labels = method, inputs, labels
+        self.params = [p for p in method.parameters() if p.requires_grad]
+        self.optimizer = _optimizer(self.params)
+
+    def train_step(self) -> None:
+        self.method.train()
+        loss = self.method.loss((self.inputs, self.labels))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+
+    @torch.no_grad()
+    def infer(self) -> None:
+        self.method.eval()
+        self.method(self.inputs)
+
+    def state_bytes(self) -> int:
+        return trainable_state_bytes(self.params, self.optimizer)
+
+    def peak(self, device: torch.device) -> int | None:
+        self.train_step()  # the optimiser state exists before the measured step
+        return peak_bytes(self.train_step, device, track=(self.method, self.optimizer))
+
+
+class PlainStepper(Stepper):
+    """The same for a plain network returning logits (M·B, C) (torch-uncertainty's wrappers
+    and the bare backbone + head): the loss is the members' mean cross-entropy."""
+
+    def __init__(self, net: nn.Module, inputs: Any, labels: torch.Tensor, members: int) -> None:
+        self.members = members
+        super().__init__(net, inputs, labels)
+
+    def train_step(self) -> None:
+        self.method.train()
+        logits = self.method(self.inputs)
+        loss = F.cross_entropy(logits, self.labels.repeat(logits.shape[0] // len(self.labels)))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+
+
+class _Headed(nn.Module):
+    """encoder + head. A text encoder takes token ids (B, T) alone (torch-uncertainty's
+    wrappers repeat one tensor), all attended."""
+
+    def __init__(self, encoder: nn.Module, head: nn.Module, text: bool) -> None:
+        super().__init__()
+        self.encoder, self.head, self.text = encoder, head, text
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self.text:
+            inputs = {"input_ids": inputs, "attention_mask": torch.ones_like(inputs)}
+        return self.head(self.encoder(inputs))
+
+
+def plain_network(single: nn.Module, text: bool) -> nn.Module:
+    """A copy of uqbench's single model as a bare encoder + head (what a user would write)."""
+    return _Headed(copy.deepcopy(single.encoder), nn.Linear(single.head.weight.shape[-1], CLASSES),
+                   text).to(next(single.parameters()).device)
+
+
+def _tu() -> Any:
+    try:
+        from torch_uncertainty.methods import deep_ensembles, mc_dropout
+    except ImportError:
+        return None
+    return deep_ensembles, mc_dropout
+
+
+def targeted_bytes(method: nn.Module) -> int:
+    """Bytes of every tensor in the method's wrapped (member) layers: frozen factors, kept
+    pretrained weights and the members' trained parameters."""
+    total = 0
+    for m in method.modules():
+        if isinstance(m, MemberLinear):
+            total += sum(t.numel() * t.element_size() for t in m.parameters())
+            total += sum(t.numel() * t.element_size() for t in m.buffers())
+    return total
+
+
+def _free(*objs: Any) -> None:
+    del objs
+    gc.collect()
+
+
+def time_rows(model: Model, members: int, batch: int, device: torch.device, repeats: int,
+              anchors: bool) -> list[Record]:
+    """Training-step and inference ratios, and memory, at M = ``members`` (the single model is
+    timed again beside every M, so each ratio comes from one side-by-side measurement)."""
+    dev, section = str(device), SECTION_TIME.format(model=model.label, batch=batch)
+    inputs, labels = model.inputs(batch, device), torch.randint(0, CLASSES, (batch,),
+                                                                device=device)
+    m = f"method.members={members}"
+    steppers = {
+        "single": Stepper(build(model, "single", device), inputs, labels),
+        "sve": Stepper(build(model, "sve", device, m), inputs, labels),
+        "de": Stepper(build(model, "deep_ensemble", device, m), inputs, labels),
+        "lora": Stepper(build(model, "lora_ensemble", device, m), inputs, labels),
+        "mcd": Stepper(build(model, "mc_dropout", device, f"method.samples={members}"),
+                       inputs, labels),
+    }
+    tu = _tu() if anchors else None
+    if tu:
+        deep_ensembles, mc_dropout = tu
+        text = isinstance(inputs, dict)
+        ids = inputs["input_ids"] if text else inputs
+        single = steppers["single"].method
+        steppers["plain"] = PlainStepper(plain_network(single, text), ids, labels, 1)
+        steppers["tu_de"] = PlainStepper(deep_ensembles(plain_network(single, text),
+                                                        num_estimators=members), ids, labels,
+                                         members)
+        mcd = copy.deepcopy(steppers["mcd"].method)
+        tu_net = _Headed(mcd.encoder, nn.Sequential(mcd.mc_dropout, nn.Linear(
+            mcd.head.weight.shape[-1], CLASSES)), text).to(device)
+        steppers["tu_mcd"] = PlainStepper(mc_dropout(tu_net, num_estimators=members,
+                                                     on_batch=True), ids, labels, members)
+    train = side_by_side({k: s.train_step for k, s in steppers.items()
+                          if k not in ("mcd", "tu_mcd")}, device, repeats=repeats, warmup=1)
+    infer = side_by_side({k: s.infer for k, s in steppers.items() if k != "tu_de"},
+                         device, repeats=repeats, warmup=1)
+    t = {f"train_{k}": v for k, v in train.items()} | {f"infer_{k}": v for k, v in infer.items()}
+    tag = f"M = {members}"
+    skipped = "" if tu else ("torch-uncertainty not installed: anchor skipped" if anchors
+                             else "anchor measured at the first M only (time)")
+    rows = [
+        Record(f"SVE {tag} training step / Deep Ensemble {tag} step",
+               t["train_sve"] / t["train_de"], "×", dev, target=1.0, section=section,
+               note=f"SVE {t['train_sve']:.3g} s, Deep Ensemble {t['train_de']:.3g} s"),
+        Record(f"SVE {tag} inference / Deep Ensemble {tag} inference",
+               t["infer_sve"] / t["infer_de"], "×", dev, target=1.0, section=section,
+               note=f"SVE {t['infer_sve']:.3g} s, Deep Ensemble {t['infer_de']:.3g} s"),
+        Record(f"Deep Ensemble {tag} training step / single", t["train_de"] / t["train_single"],
+               "×", dev, anchor="torch-uncertainty deep_ensembles",
+               anchor_value=t["train_tu_de"] / t["train_plain"] if tu else None,
+               target=float(members), target_rule="M", section=section,
+               note=skipped or f"single {t['train_single']:.3g} s"),
+        Record(f"LoRA-Ensemble {tag} training step / single",
+               t["train_lora"] / t["train_single"], "×", dev, section=section),
+        Record(f"LoRA-Ensemble {tag} inference / single", t["infer_lora"] / t["infer_single"],
+               "×", dev, section=section),
+        Record(f"MC-Dropout T = {members} inference / single",
+               t["infer_mcd"] / t["infer_single"], "×", dev,
+               anchor="torch-uncertainty mc_dropout",
+               anchor_value=t["infer_tu_mcd"] / t["infer_plain"] if tu else None,
+               target=1.1 * members, target_rule="1.1 · T", section=section,
+               note=skipped or f"single {t['infer_single'] * 1e3:.3g} ms"),
+    ]
+    msection = SECTION_MEMORY.format(model=model.label, batch=batch)
+    state = {k: steppers[k].state_bytes() for k in ("sve", "de", "lora", "single")}
+    rows.append(Record(f"SVE {tag} trainable state / Deep Ensemble {tag}'s",
+                       100 * state["sve"] / state["de"], "%", dev, target=2.0, section=msection,
+                       note=f"parameters + gradients + AdamW state: SVE "
+                            f"{state['sve'] / 1e6:.3g} MB, Deep Ensemble "
+                            f"{state['de'] / 1e6:.4g} MB, LoRA-Ensemble "
+                            f"{state['lora'] / 1e6:.3g} MB"))
+    peaks = {k: steppers[k].peak(device) for k in ("sve", "de", "lora")}
+    if all(p is not None for p in peaks.values()):
+        rows.append(Record(f"SVE {tag} training-step peak memory / Deep Ensemble's",
+                           peaks["sve"] / peaks["de"], "×", dev, section=msection,
+                           note=f"SVE {peaks['sve'] / 1e9:.3g} GB, Deep Ensemble "
+                                f"{peaks['de'] / 1e9:.3g} GB, LoRA-Ensemble "
+                                f"{peaks['lora'] / 1e9:.3g} GB"))
+    else:
+        rows.append(Record(f"SVE {tag} training-step peak memory / Deep Ensemble's", None, "×",
+                           dev, section=msection, note="the memory tracker could not follow "
+                                                       "a step"))
+    _free(steppers)
+    return rows
+
+
+def layer_memory(model: Model, members: int, device: torch.device, topk: list[int],
+                 label: str | None = None, dtype_note: str = "") -> list[Record]:
+    """Targeted-layer memory of SVE (full, and top-k for each k) over LoRA-Ensemble's."""
+    dev = "counted, no device" if device.type == "meta" else str(device)
+    lora = targeted_bytes(build(model, "lora_ensemble", device, f"method.members={members}"))
+    rows = []
+    for k in [None, *topk]:
+        extra = () if k is None else (f"method.rank={k}",)
+        try:
+            sve = targeted_bytes(build(model, "sve", device, f"method.members={members}",
+                                       *extra))
+        except Exception as err:  # noqa: BLE001 - an SVE without the top-k option: say so
+            rows.append(Record(f"SVE top-{k} targeted-layer memory / LoRA-Ensemble's "
+                               f"({label or model.label}, M = {members})", None, "×", dev,
+                               section=SECTION_LAYERS, note=f"not measured: {err}"))
+            continue
+        name = "SVE" if k is None else f"SVE top-{k}"
+        rows.append(Record(
+            f"{name} targeted-layer memory / LoRA-Ensemble's ({label or model.label}, "
+            f"M = {members})", sve / lora, "×", dev, anchor="P1: ~10× less overhead than "
+            "LoRA-Ensemble", target=1.0, target_rule="with the top-k option",
+            section=SECTION_LAYERS,
+            note=f"{name} {sve / 1e9:.4g} GB, LoRA-Ensemble r = 8 {lora / 1e9:.4g} GB"
+                 f"{dtype_note}"))
+    return rows
+
+
+def run(device: torch.device, repeats: int, members: list[int], models: list[str],
+        batch: int = 8, anchors: bool = True, topk: tuple[int, ...] = (8, 64)) -> list[Record]:
+    records: list[Record] = []
+    for key in models:
+        model = MODELS[key]
+        for i, m in enumerate(members):
+            records += time_rows(model, m, batch, device, repeats if i == 0 else
+                                 max(2, repeats // 2), anchors and i == 0)
+        records += layer_memory(model, members[0], device, list(topk))
+    return records
+
+
+def llama_layer_memory(topk: tuple[int, ...] = (64, 256), members: int = 16) -> list[Record]:
+    """LLaMA-2-7B's targeted-layer memory (bf16, M = 16, P1's setting), counted on the meta
+    device: no weights, no memory, any machine."""
+    model = Model("LLaMA-2-7B", "llama2_7b", ("backbone.pretrained=false",), _tokens(8, 32000))
+    with torch.device("meta"):
+        return layer_memory(model, members, torch.device("meta"), list(topk),
+                            dtype_note=" (bf16, counted without weights)")

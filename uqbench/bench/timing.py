@@ -1,0 +1,147 @@
+"""Timing and memory measurement for `make bench`: side by side, in one process.
+
+Ratios are what the benchmark reports, so the things compared are timed together: every repeat
+runs each callable once, in alternating order (so neither always runs on a warm cache), after
+warm-up calls that are not timed; the figure is the median per callable. On CPU, glibc's
+allocator makes small-op timings swing several-fold between runs unless its trim and mmap
+thresholds are raised (:data:`ALLOCATOR`); :func:`ensure_allocator` restarts the process with
+them set, for the benchmark process only.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+import weakref
+from collections.abc import Callable, Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+# glibc reads these once, at process start: keep freed memory instead of returning it to the
+# system after every large tensor, so a timed loop does not pay for page faults each time
+ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "1000000000000", "MALLOC_TRIM_THRESHOLD_": "1000000000000",
+             "MALLOC_TOP_PAD_": "1000000000"}
+
+
+def ensure_allocator(argv: list[str], module: str = "uqbench.bench") -> None:
+    """Re-run ``python -m module argv`` with :data:`ALLOCATOR` in the environment unless it is
+    already there (a no-op when it is)."""
+    if all(os.environ.get(k) == v for k, v in ALLOCATOR.items()):
+        return
+    env = {**os.environ, **ALLOCATOR}
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def side_by_side(fns: dict[str, Callable[[], object]], device: torch.device, repeats: int = 10,
+                 warmup: int = 2) -> dict[str, float]:
+    """Median seconds per call of each callable, timed interleaved (order reversed every other
+    repeat) after ``warmup`` untimed calls of each."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else reversed(names):
+            synchronize(device)
+            start = time.perf_counter()
+            fns[name]()
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Counts the bytes of live tensor storages: every storage an op returns is added once and
+    subtracted when it is freed (a finalizer on the storage), and the peak is kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+
+    def add(self, t: torch.Tensor) -> None:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        st = t.untyped_storage()
+        key = id(st)
+        if key in self._seen or st.nbytes() == 0:
+            return
+        self._seen.add(key)
+        self.live += st.nbytes()
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(st, self._freed, key, st.nbytes())
+
+    def _freed(self, key: int, n: int) -> None:
+        self._seen.discard(key)
+        self.live -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            self.add(t)
+        return out
+
+
+def peak_bytes(fn: Callable[[], object], device: torch.device,
+               track: Iterable[torch.nn.Module | torch.optim.Optimizer] = ()) -> int | None:
+    """Peak bytes of the tensors alive while ``fn`` runs: those it creates (activations,
+    gradients, temporaries) plus the parameters, buffers, gradients and optimiser state of
+    ``track`` that exist when it starts. CUDA: the allocator's peak. CPU: a count of live
+    tensor storages (what the CPU allocator does not report). None if ``fn`` cannot be
+    followed (the table then says "not measured")."""
+    if device.type == "cuda":
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        synchronize(device)
+        return max(torch.cuda.max_memory_allocated(device), base)
+    counter = _LiveBytes()
+    for obj in track:
+        if isinstance(obj, torch.optim.Optimizer):
+            tensors = [v for st in obj.state.values() for v in st.values()]
+        else:
+            tensors = [*obj.parameters(), *obj.buffers(), *(p.grad for p in obj.parameters())]
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                counter.add(t)
+    try:
+        with counter:
+            fn()
+    except Exception:  # noqa: BLE001 - an op the counter cannot follow: report it unmeasured
+        return None
+    return counter.peak
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes held by distinct tensors (shared storage counted once)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for t in tensors:
+        if t is None or t.device.type == "meta":
+            continue
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if key not in seen:
+            seen.add(key)
+            total += key[1]
+    return total
+
+
+def trainable_state_bytes(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer
+                          ) -> int:
+    """Parameters + gradients + optimiser state of the trained parameters, in bytes (after at
+    least one step, so the optimiser state exists)."""
+    state = [v for p in params for v in optimizer.state.get(p, {}).values()
+             if isinstance(v, torch.Tensor)]
+    return tensor_bytes(params) + tensor_bytes(p.grad for p in params) + tensor_bytes(state)
