@@ -90,7 +90,8 @@ def test_records_json_and_markdown(tmp_path):
 
 
 @pytest.mark.parametrize("argv, bad", [(["--parts", "bnn,gpu"], "gpu"),
-                                       (["--members", "1,4"], "[1, 4]"),
+                                       (["--members", "1,4"], "'1,4'"),
+                                       (["--text-members", "four"], "'four'"),
                                        (["--models", "resnet"], "resnet")])
 def test_bad_arguments_name_the_value(argv, bad, capsys):
     with pytest.raises(SystemExit):

@@ -38,10 +38,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--parts", default=",".join(PARTS), help=f"any of {', '.join(PARTS)}")
-    p.add_argument("--models", default="vit,bert", help="ensembles on: vit, bert (tiny_vit, "
-                   "tiny_bert: the same code on tiny shapes)")
+    p.add_argument("--models", default=None, help="ensembles on: vit, bert, llama (LLaMA-2-7B "
+                   "shapes, GPU); tiny_vit, tiny_bert: the same code on tiny shapes. Default: "
+                   "vit,bert (and llama on a GPU)")
     p.add_argument("--members", default="4,8,16", help="ensemble sizes M (the first one also "
                    "gets the anchors and the full repeats)")
+    p.add_argument("--text-members", default="4", help="ensemble sizes for BERT and LLaMA "
+                   "(a BERT-base step at batch 8 takes seconds per member on a CPU)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5, help="timed repeats of the ensembles "
                    "(the moment pass gets 10×)")
@@ -52,15 +55,22 @@ def parse(argv: list[str]) -> argparse.Namespace:
     bad = [x for x in _csv(args.parts) if x not in PARTS]
     if bad:
         p.error(f"--parts {bad} not among {PARTS}")
-    bad = [x for x in _csv(args.models) if x not in ("vit", "bert", "tiny_vit", "tiny_bert")]
+    if args.models is None:
+        args.models = "vit,bert,llama" if args.device.startswith("cuda") else "vit,bert"
+    models = ("vit", "bert", "llama", "tiny_vit", "tiny_bert")
+    bad = [x for x in _csv(args.models) if x not in models]
     if bad:
-        p.error(f"--models {bad} not among vit, bert, tiny_vit, tiny_bert")
-    try:
-        args.members = [int(m) for m in _csv(args.members)]
-    except ValueError:
-        p.error(f"--members must be integers separated by commas, got {args.members!r}")
-    if not args.members or min(args.members) < 2:
-        p.error(f"--members must be ensemble sizes >= 2, got {args.members}")
+        p.error(f"--models {bad} not among {', '.join(models)}")
+    for key in ("members", "text_members"):
+        text = getattr(args, key)
+        try:
+            sizes = [int(m) for m in _csv(text)]
+        except ValueError:
+            sizes = []
+        if not sizes or min(sizes) < 2:
+            p.error(f"--{key.replace('_', '-')} must be ensemble sizes >= 2 separated by commas, "
+                    f"got {text!r}")
+        setattr(args, key, sizes)
     return args
 
 
@@ -85,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         _progress("moment propagation", start)
     if "ensembles" in parts:
         records += ensembles.run(device, args.repeats, args.members, _csv(args.models),
-                                 batch=args.batch)
+                                 batch=args.batch, text_members=args.text_members)
         _progress("ensembles", start)
     if "layers" in parts and not args.quick:
         records += ensembles.llama_layer_memory()

@@ -62,6 +62,10 @@ MODELS = {
     "vit": Model("ViT-S/16, 224 px", "vits16_random", (), _images(224)),
     "bert": Model("BERT-base, length 128", "bert_base", ("backbone.pretrained=false",),
                   _tokens(128, 30522)),
+    # GPU only: LLaMA-2-7B's layer shapes (2 of its 32 blocks, bf16; M = 16 is P1's setting)
+    "llama": Model("LLaMA-2-7B shapes, 2 of 32 blocks, length 256", "llama2_7b",
+                   ("backbone.pretrained=false", "backbone.config.num_hidden_layers=2"),
+                   _tokens(256, 32000)),
     # the same code paths on tiny shapes (tests, --quick)
     "tiny_vit": Model("tiny ViT, 16 px", "tiny_vit", (), _images(16)),
     "tiny_bert": Model("tiny BERT, length 16", "tiny_bert", (), _tokens(16, 30522)),
@@ -285,11 +289,15 @@ def layer_memory(model: Model, members: int, device: torch.device, topk: list[in
 
 
 def run(device: torch.device, repeats: int, members: list[int], models: list[str],
-        batch: int = 8, anchors: bool = True, topk: tuple[int, ...] = (8, 64)) -> list[Record]:
+        batch: int = 8, anchors: bool = True, topk: tuple[int, ...] = (8, 64),
+        text_members: list[int] | None = None) -> list[Record]:
+    """Every model's time and memory rows at each M (text models: ``text_members``, default
+    ``members``), then its targeted-layer memory."""
     records: list[Record] = []
     for key in models:
         model = MODELS[key]
-        for i, m in enumerate(members):
+        sizes = text_members if text_members and key in ("bert", "llama") else members
+        for i, m in enumerate(sizes):
             records += time_rows(model, m, batch, device, repeats if i == 0 else
                                  max(2, repeats // 2), anchors and i == 0)
         records += layer_memory(model, members[0], device, list(topk))
