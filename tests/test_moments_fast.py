@@ -14,7 +14,6 @@ from uqbench.contracts import DataInfo
 from uqbench.methods.bnn import BayesianMLP, check_options
 from uqbench.methods.moments import (
     GaussianLinear,
-    MomentSequential,
     leaky_relu_moments,
     leaky_relu_moments_fused,
 )
@@ -189,9 +188,9 @@ def test_compiled_pass_equals_the_reference():
     ref = BayesianMLP(MLP(width=16, depth=2), info, variance="learned", fused=False)
     ref.load_state_dict(comp.state_dict())
     x = torch.linspace(-30, 30, 64).unsqueeze(1)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     with torch.no_grad():
         for fast, ref_value in zip(comp.moment_pass(x), ref.moment_pass(x), strict=True):
             torch.testing.assert_close(fast, ref_value, rtol=2e-5, atol=2e-5)
-        # the compiled path really ran: dynamo holds a compiled frame for the fused pass
-        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
-    assert isinstance(comp.net, MomentSequential)
+    # the compiled path really ran: dynamo compiled a graph for the fused pass
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs
