@@ -34,11 +34,14 @@ SECTION_SPEED = "Moment propagation: speed (Leaky-ReLU MLP, batch 1024, inferenc
 SECTION_ACCURACY = "Moment propagation vs Monte Carlo: accuracy (variance error vs 2·10⁵ draws)"
 
 
-def build_bnn(width: int, depth: int, device: torch.device) -> BayesianMLP:
-    """uqbench's BNN (embedded variance) on MLP(width, depth) with 1 input and 1 output."""
+def build_bnn(width: int, depth: int, device: torch.device, **options: bool) -> BayesianMLP:
+    """uqbench's BNN (embedded variance) on MLP(width, depth) with 1 input and 1 output;
+    ``options``: the method's ``fused`` and ``compile``. Seeded: every call gets the same
+    weights."""
     info = DataInfo("regression", in_dim=1, out_dim=1, num_train_batches=20)
     torch.manual_seed(0)
-    return BayesianMLP(MLP(width=width, depth=depth, slope=SLOPE), info).to(device).eval()
+    return BayesianMLP(MLP(width=width, depth=depth, slope=SLOPE), info, **options
+                       ).to(device).eval()
 
 
 def plain_twin(bnn: BayesianMLP) -> nn.Sequential:
@@ -57,11 +60,9 @@ def plain_twin(bnn: BayesianMLP) -> nn.Sequential:
 
 
 def moment_pass(bnn: BayesianMLP) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """x (B, 1) → (mean, var) of the output by uqbench's moment propagation (its fast path)."""
-    def run(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = bnn(x, inference="moments")
-        return out.mean, out.var
-    return run
+    """x (B, 1) → (mean, var) of the output by uqbench's moment propagation, as the BNN's
+    ``fused`` and ``compile`` options compute it."""
+    return bnn.moment_pass
 
 
 def fastbnns_models(plain: nn.Sequential) -> dict[str, Callable[[torch.Tensor], object]] | None:
@@ -99,11 +100,15 @@ def speed(device: torch.device, repeats: int, batch: int = 1024, quick: bool = F
 def _speed_one(label: str, width: int, depth: int, device: torch.device, repeats: int,
                batch: int, quick: bool) -> list[Record]:
     dev = str(device)
-    bnn = build_bnn(width, depth, device)
+    # the fastest path: compiled (quick runs skip the ~20 s compile and time the fused pass)
+    bnn = build_bnn(width, depth, device, compile=not quick)
     plain = plain_twin(bnn)
     x = torch.linspace(-2, 2, batch, device=device).unsqueeze(1)
-    ours = moment_pass(bnn)
-    fns: dict[str, Callable[[], object]] = {"plain": lambda: plain(x), "ours": lambda: ours(x)}
+    fns: dict[str, Callable[[], object]] = {
+        "plain": functools.partial(plain, x), "ours": functools.partial(bnn.moment_pass, x),
+        "eager": functools.partial(build_bnn(width, depth, device).moment_pass, x),
+        "reference": functools.partial(build_bnn(width, depth, device, fused=False).moment_pass,
+                                       x)}
     anchors = fastbnns_models(plain)
     for k in ("analytic", "unscented") if anchors else ():
         fns[k] = functools.partial(anchors[k], x)
@@ -116,10 +121,16 @@ def _speed_one(label: str, width: int, depth: int, device: torch.device, repeats
                anchor="fastbnns analytic", anchor_value=ratio.get("analytic"),
                target=None if anchors is None else ratio["analytic"] / 3,
                target_rule="fastbnns analytic / 3", section=SECTION_SPEED,
-               note=skipped or f"plain forward {t['plain'] * 1e3:.3g} ms"),
+               note=skipped or f"method.compile: true (compile time excluded); plain forward "
+                                f"{t['plain'] * 1e3:.3g} ms"),
         Record(f"moment pass / plain forward, {label} (vs unscented)", ratio["ours"], "×", dev,
                anchor="fastbnns unscented", anchor_value=ratio.get("unscented"),
                section=SECTION_SPEED, note=skipped),
+        Record(f"moment pass / plain forward, {label}, fused without compile (default)",
+               ratio["eager"], "×", dev, section=SECTION_SPEED,
+               note="method.fused: true, method.compile: false"),
+        Record(f"moment pass / plain forward, {label}, reference layers", ratio["reference"],
+               "×", dev, section=SECTION_SPEED, note="method.fused: false"),
         *mc_speed(bnn, x, anchors, label, device, max(3, repeats // 4), quick)]
 
 
@@ -127,7 +138,7 @@ def mc_speed(bnn: BayesianMLP, x: torch.Tensor, anchors: dict | None, label: str
              device: torch.device, repeats: int, quick: bool) -> list[Record]:
     """Monte Carlo inference with S draws / one moment pass, ours and fastbnns'."""
     records = []
-    ours = moment_pass(bnn)
+    ours = moment_pass(bnn)  # compiled: the figure above
     for s in (10, 100) if quick else (10, 100, 1000):
         fns: dict[str, Callable[[], object]] = {
             "moments": functools.partial(ours, x), "mc": functools.partial(bnn._draws, x, s)}

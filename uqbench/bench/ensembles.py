@@ -31,6 +31,7 @@ from uqbench.contracts import DataInfo
 from uqbench.methods.layers import MemberLinear
 
 CLASSES = 10
+TOPK_KEY = "method.rank"  # SVE's top-k option: only the k largest singular directions adapt
 SECTION_TIME = "Ensembles: time ({model}, batch {batch})"
 SECTION_MEMORY = "Ensembles: memory ({model}, batch {batch})"
 SECTION_LAYERS = "Memory of the targeted layers"
@@ -261,30 +262,37 @@ def time_rows(model: Model, members: int, batch: int, device: torch.device, repe
     return rows
 
 
+def model_bytes(method: nn.Module) -> int:
+    """Bytes of all the method's parameters and buffers: the model a device must hold."""
+    return sum(t.numel() * t.element_size() for t in (*method.parameters(), *method.buffers()))
+
+
 def layer_memory(model: Model, members: int, device: torch.device, topk: list[int],
-                 label: str | None = None, dtype_note: str = "") -> list[Record]:
-    """Targeted-layer memory of SVE (full, and top-k for each k) over LoRA-Ensemble's."""
+                 dtype_note: str = "") -> list[Record]:
+    """SVE's memory (full, and top-k for each k) over LoRA-Ensemble's: on the same targeted
+    layers (LoRA-Ensemble on every linear of a block, as SVE), and for the whole model with
+    each method's default targets (LoRA-Ensemble: attention only, P1's baseline)."""
     dev = "counted, no device" if device.type == "meta" else str(device)
-    lora = targeted_bytes(build(model, "lora_ensemble", device, f"method.members={members}"))
+    m = f"method.members={members}"
+    lora_all = targeted_bytes(build(model, "lora_ensemble_all", device, m))
+    lora = model_bytes(build(model, "lora_ensemble", device, m))
     rows = []
     for k in [None, *topk]:
-        extra = () if k is None else (f"method.rank={k}",)
-        try:
-            sve = targeted_bytes(build(model, "sve", device, f"method.members={members}",
-                                       *extra))
-        except Exception as err:  # noqa: BLE001 - an SVE without the top-k option: say so
-            rows.append(Record(f"SVE top-{k} targeted-layer memory / LoRA-Ensemble's "
-                               f"({label or model.label}, M = {members})", None, "×", dev,
-                               section=SECTION_LAYERS, note=f"not measured: {err}"))
-            continue
         name = "SVE" if k is None else f"SVE top-{k}"
-        rows.append(Record(
-            f"{name} targeted-layer memory / LoRA-Ensemble's ({label or model.label}, "
-            f"M = {members})", sve / lora, "×", dev, anchor="P1: ~10× less overhead than "
-            "LoRA-Ensemble", target=1.0, target_rule="with the top-k option",
-            section=SECTION_LAYERS,
-            note=f"{name} {sve / 1e9:.4g} GB, LoRA-Ensemble r = 8 {lora / 1e9:.4g} GB"
-                 f"{dtype_note}"))
+        sve = build(model, "sve", device, m, *(() if k is None else (f"{TOPK_KEY}={k}",)))
+        layers, whole = targeted_bytes(sve), model_bytes(sve)
+        where = f"({model.label}, M = {members})"
+        rows += [
+            Record(f"{name} memory of the targeted layers / LoRA-Ensemble's on the same layers "
+                   f"{where}", layers / lora_all, "×", dev, target=1.0,
+                   target_rule="with the top-k option", section=SECTION_LAYERS,
+                   note=f"{name} {layers / 1e9:.4g} GB, LoRA-Ensemble r = 8 "
+                        f"{lora_all / 1e9:.4g} GB{dtype_note}"),
+            Record(f"{name} model memory / LoRA-Ensemble's (attention adapters) {where}",
+                   whole / lora, "×", dev, anchor="P1: ~10× less memory overhead than "
+                   "LoRA-Ensemble", section=SECTION_LAYERS,
+                   note=f"{name} {whole / 1e9:.4g} GB, LoRA-Ensemble r = 8 {lora / 1e9:.4g} GB"
+                        f"{dtype_note}")]
     return rows
 
 
