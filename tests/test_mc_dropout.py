@@ -3,7 +3,8 @@
 The dropouts actually applied are recorded at the level of torch functions (a
 TorchFunctionMode sees every ``F.dropout`` call, whether from an ``nn.Dropout`` module or a
 functional call, and every ``scaled_dot_product_attention`` with its ``dropout_p``), so
-dropout hidden inside fused attention kernels is counted too.
+dropout hidden inside fused attention kernels is counted too. ``FastDropout`` modules (the
+default ``masks: fast``) call no ``F.dropout``: a global module hook records their calls.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
+from torch.nn.modules.module import register_module_forward_hook
 from torch.overrides import TorchFunctionMode
 
 from uqbench.backbones.hf import bundled_tokenizer_path
 from uqbench.contracts import DataInfo
+from uqbench.methods.dropout import FastDropout
 
 
 class DropoutRecorder(TorchFunctionMode):
@@ -26,6 +29,18 @@ class DropoutRecorder(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.applied: list[tuple[str, float, tuple[int, ...]]] = []
+
+    def __enter__(self):
+        def fast(module, args, output):
+            if isinstance(module, FastDropout) and module.training and module.p > 0:
+                self.applied.append(("dropout", float(module.p), tuple(args[0].shape[1:])))
+
+        self.handle = register_module_forward_hook(fast)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -70,9 +85,11 @@ EXPECTED = {
 }
 
 
+@pytest.mark.parametrize("masks", ["fast", "torch"])
 @pytest.mark.parametrize("backbone", list(EXPECTED))
-def test_training_and_test_passes_apply_the_same_dropouts(cfg, backbone):
-    c = cfg(f"backbone={backbone}", "method=mc_dropout", "method.samples=4")
+def test_training_and_test_passes_apply_the_same_dropouts(cfg, backbone, masks):
+    c = cfg(f"backbone={backbone}", "method=mc_dropout", "method.samples=4",
+            f"method.masks={masks}")
     torch.manual_seed(0)
     m = instantiate(c.method)(backbone=instantiate(c.backbone),
                               info=DataInfo(task="classification", num_classes=3))
