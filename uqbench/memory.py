@@ -2,10 +2,10 @@
 
 What one device holds during a training step, in bytes:
 
-- parameters: frozen (the pretrained encoder, SVE's U and V …) and trained, each in the dtype
-  it is held in: as built under ``32`` and the mixed precisions (which keep the weights and
-  compute in 16 bit under autocast), every floating tensor in bfloat16 under ``bf16-true``;
-  buffers likewise.
+- parameters: frozen (the pretrained encoder, SVE's U and V, or top-k SVE's kept W with U_k
+  and V_k …) and trained, each in the dtype it is held in: as built under ``32`` and the
+  mixed precisions (which keep the weights and compute in 16 bit under autocast), every
+  floating tensor in bfloat16 under ``bf16-true``; buffers likewise.
 - gradients: one per trained parameter, in its dtype.
 - optimiser state: Adam and AdamW keep two tensors per trained parameter (exp_avg,
   exp_avg_sq), SGD one with momentum and none without; torch keeps them in the parameter's
@@ -18,7 +18,8 @@ What one device holds during a training step, in bytes:
   keeps (``method.training_passes()``: M for the members in one batch or M encoder copies, 1
   for MC-Dropout, 0 when only heads train). 32-bit activations (``32`` with a float32 encoder)
   count twice the bytes. Without recomputation the member-aware wrappers add what they keep
-  themselves (``saved_values``: SVE's x·V, LoRA's x·Aᵀ).
+  themselves (``saved_values``: SVE's x·V or its member weights, whichever form a training
+  call uses; LoRA's x·Aᵀ).
 - Distribution: ``fsdp`` shards parameters, gradients and optimiser state over the
   devices × nodes (buffers are not sharded), ``ddp`` replicates them; ``auto`` is one device,
   or ddp over several. Each device's micro-batch is batch / (devices × nodes × accumulate).

@@ -45,7 +45,8 @@ def params_job(cfg: DictConfig) -> dict[str, Any]:
 
     Returns ``{"params": method.param_counts(), "settings": {...}, "metrics": {}}``; params holds
     base, added, heads, total, trainable, overhead_pct and the memory in bytes (base_bytes,
-    param_bytes, buffer_bytes, memory_bytes) at the dtypes the backbone config uses.
+    param_bytes, buffer_bytes, memory_bytes) at the dtypes the backbone config uses; SVE adds
+    targeted_bytes, the memory of its wrapped layers (full rank or top-k, ``method.rank``).
     """
     given = cfg.get("overhead")
     opts = DEFAULTS | (dict(OmegaConf.to_container(given, resolve=True)) if given else {})

@@ -38,7 +38,9 @@ BOOKKEEPING = ("paths", "skip_existing", "overwrite", "save_predictions", "plot"
 ENGINE_LAYOUT = ("strategy", "devices", "num_nodes", "accumulate", "activation_checkpointing",
                  "checkpoint_every", "keep_checkpoint", "progress")
 # Keys added to the config since runs were first stored, with the value the older runs used.
-ADDED_KEYS = {"trainer.precision": "32"}
+# SVE's weight cache only changes how evaluation is computed (not its numbers); rank: null is
+# SVE as it always was.
+ADDED_KEYS = {"trainer.precision": "32", "method.cache_weights": True, "method.rank": None}
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 
 

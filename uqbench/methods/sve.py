@@ -11,26 +11,37 @@ Options following P1's public minimal code: ``qkv: fused`` decomposes a fused 3d
 (timm ViTs) as one (d singular values), ``split`` decomposes q, k and v apart (3d singular
 values, as P1's text counts and as BERT's separate projections get); ``clamp_singular_values``
 uses max(s_m, 0) in the forward; ``head_init: p1`` starts the heads at N(0, 0.01²), bias 0.
+
+Speed. A training call picks the factorised or the materialised form by the multiply-adds of
+the forward AND backward pass (the materialised backward needs the full weight gradient and
+its projection on the basis, the factorised one two thin products), so on ViT-S/16 the wide
+layers (qkv, fc1, fc2) train factorised and the square proj materialised, together fewer
+multiply-adds than a Deep Ensemble's step. Evaluation keeps the member weights between calls
+(``cache_weights``), so inference does a Deep Ensemble's work. Memory: ``rank: k`` (top-k SVE)
+keeps the pretrained W and adapts only the k largest singular directions, the layer's memory
+then at most LoRA-Ensemble's on the same layers for small k.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from uqbench.contracts import Batch, DataInfo
-from uqbench.methods.ensemble import EnsembleMethod, check_sigma
+from uqbench.methods.ensemble import EnsembleMethod, check_sigma, nbytes
 from uqbench.methods.layers import (
     MemberLinear,
     check_qkv,
     frozen,
     fused_qkv,
+    matches,
     replace_linears,
     resolve_targets,
     split_members,
@@ -72,9 +83,11 @@ class SVELinear(MemberLinear):
     Input (M·B, …, in) in member-major order (rows m·B:(m+1)·B are member m's), output
     (M·B, …, out). Member m computes
         factorised:   y = ((x V) ⊙ s_m) Uᵀ + b_m
-        materialised: y = x W_mᵀ + b_m,  W_m = U diag(s_m) Vᵀ  (built once per call)
-    Both give the same numbers; ``forward_mode=auto`` picks the one with fewer FLOPs for the
-    number of rows N per member: N·r·(in + out) against out·r·in + N·in·out.
+        materialised: y = x W_mᵀ + b_m,  W_m = U diag(s_m) Vᵀ  (built once per call, or cached)
+    Both give the same numbers; ``forward_mode=auto`` picks, per call, the form with fewer
+    multiply-adds for the N rows per member and for what the call does (:meth:`flops`): a
+    training call (s_m needs a gradient) counts the forward and the backward pass, any other
+    call the forward alone, with W_m free when it is cached.
 
     Frozen parameters (the ``frozen_names``, requires_grad False, in W's dtype and on W's
     device): sve_U (out, r), sve_V (in, r), sve_s0 (r,). Trained parameters (float32, the
@@ -85,19 +98,39 @@ class SVELinear(MemberLinear):
     — for LLaMA-2-7B 20.5 GB instead of 33.7 GB in bf16. ``released`` counts the dropped entries.
     ``clamp``: the forward uses max(s_m, 0) (P1's public code), so no singular value turns
     negative however far training moves it.
+
+    ``rank`` k (top-k SVE, the memory option): only the k largest singular directions adapt,
+        W_m = W + U_k diag(s_m − s) V_kᵀ,  y = x Wᵀ + ((x V_k) ⊙ (s_m − s)) U_kᵀ + b_m,
+    with W the frozen pretrained weight, kept and shared (one GEMM over all M·N rows), U_k
+    (out, k), V_k (in, k), s (k,) frozen and s_m (M, k) trained; ``release_pretrained`` then
+    drops only the pretrained bias (b_m replaces it). The layer holds out·in + (out + in + 1)·k
+    + M·(k + out) values instead of (out + in + 1)·r + M·(r + out); k = r is SVE itself.
+    ``forward_mode`` does not apply. None = all r directions (SVE).
+
+    ``cache_weights``: in evaluation mode without gradients, keep the member weights W_m
+    (M, out, in) between calls and rebuild them only when s_m or the factors change (a new
+    version or storage of the tensors; ``train()`` drops them): inference then does a Deep
+    Ensemble's work, at the memory of M copies of W (M·out·in values per layer). Top-k layers
+    never cache: they are the memory option.
     """
 
     adapter_names = ("sve_s", "sve_bias")
     frozen_names = ("sve_U", "sve_V", "sve_s0")
+    splits = 1  # blocks decomposed apart (SplitSVELinear: q, k, v)
 
     def __init__(self, base_layer: nn.Linear, members: int, sigma_init: float,
                  forward_mode: str = "auto", cache: Path | None = None, key: str = "",
-                 release_pretrained: bool = False, clamp: bool = False) -> None:
+                 release_pretrained: bool = False, clamp: bool = False,
+                 rank: int | None = None, cache_weights: bool = False) -> None:
         super().__init__(base_layer, members)
         self.forward_mode = forward_mode
         self.clamp = bool(clamp)
+        self.cache_weights, self._cached = bool(cache_weights) and rank is None, None
         W = base_layer.weight
         U, s, V = self.decompose(W, cache, key)
+        if rank is not None:  # the k largest singular directions (svd sorts them descending)
+            U, s, V = (t[..., :rank].contiguous() for t in (U, s, V))
+        self.top_k = rank is not None
         self.rank = s.shape[-1]
         # frozen parameters, not buffers: FSDP shards parameters only (U and V are most of the
         # layer's memory); the factors are on W's device and in W's dtype
@@ -112,7 +145,10 @@ class SVELinear(MemberLinear):
         else:
             self.register_parameter("sve_bias", None)
         self.released = 0
-        if release_pretrained:
+        if release_pretrained and self.top_k:  # W stays (the shared GEMM), b_m replaces b
+            self.released = 0 if base_layer.bias is None else base_layer.bias.numel()
+            base_layer.register_parameter("bias", None)
+        elif release_pretrained:
             self.released = sum(p.numel() for p in base_layer.parameters())
             self.base_layer = None
 
@@ -126,23 +162,41 @@ class SVELinear(MemberLinear):
         s = self.sve_s.clamp_min(0) if self.clamp else self.sve_s
         return s.to(dtype)
 
-    def flops(self, rows: int) -> dict[str, int]:
-        """Multiply-adds per member for ``rows`` input rows, in both forms."""
-        r, i, o = self.rank, self.in_features, self.out_features
-        return {"factorized": rows * r * (i + o), "materialized": o * r * i + rows * i * o}
+    def flops(self, rows: int, step: bool = False, input_grad: bool = True,
+              cached: bool = False) -> dict[str, int]:
+        """Multiply-adds per member for ``rows`` input rows, in both forms: the forward, or
+        with ``step`` the forward and the backward (the input's gradient only if
+        ``input_grad``); ``cached``: W_m is already built.
 
-    def mode(self, rows: int) -> str:
+        factorised: forward N·r·(in + out); backward (g U) N·r·out, (g U ⊙ s) Vᵀ N·r·in,
+            and the gradient of s_m is an elementwise product summed over the rows.
+        materialised: W_m o·r·in (0 cached), forward N·in·out; backward x's gradient
+            N·in·out, W_m's N·in·out and its projection on the basis Uᵀ gW_m V o·r·in.
+        Per block of q, k, v (o = out / 3) when split.
+        """
+        j, r, i = self.splits, self.rank, self.in_features
+        o = self.out_features // j
+        fact = j * rows * r * (i + o)
+        mat = (0 if cached else j * o * r * i) + rows * i * j * o
+        if step:
+            fact += j * rows * r * (o + (i if input_grad else 0))
+            mat += j * o * r * i + rows * i * j * o * (2 if input_grad else 1)
+        return {"factorized": fact, "materialized": mat}
+
+    def mode(self, rows: int, step: bool = False, input_grad: bool = True,
+             cached: bool = False) -> str:
         """The forward form for ``rows`` input rows per member: forward_mode, or under auto
-        the form with fewer multiply-adds (:meth:`flops`)."""
+        the form with fewer multiply-adds (:meth:`flops`, same arguments)."""
         if self.forward_mode != "auto":
             return self.forward_mode
-        f = self.flops(rows)
+        f = self.flops(rows, step, input_grad, cached)
         return "factorized" if f["factorized"] <= f["materialized"] else "materialized"
 
     def saved_values(self, rows: int) -> int:
-        """Factorised: x V (M, N, r), kept for the gradient of s_m; materialised: the member
-        weights (M, out, in). U and V are frozen, so nothing else is kept."""
-        if self.mode(rows) == "factorized":
+        """What a training call keeps for the gradient of s_m: factorised (and top-k) x V
+        (M, N, r); materialised, the member weights (M, out, in). U, V and W are frozen, so
+        nothing else is kept."""
+        if self.top_k or self.mode(rows, step=True) == "factorized":
             return self.members * rows * self.sve_s[0].numel()
         return self.members * self.out_features * self.in_features
 
@@ -151,31 +205,63 @@ class SVELinear(MemberLinear):
         s = self.singular_values(self.sve_U.dtype)
         return (self.sve_U * s[:, None, :]) @ self.sve_V.T
 
+    def weights(self, dtype: torch.dtype, cached: bool) -> torch.Tensor:
+        """The member weights (M, out, in) in ``dtype``: from the cache when ``cached`` and
+        nothing they are built from changed since (same tensor versions and storage)."""
+        if not cached:
+            return self.member_weights().to(dtype)
+        key = (dtype, self.clamp, *((t.data_ptr(), t._version)
+                                    for t in (self.sve_s, self.sve_U, self.sve_V)))
+        if self._cached is None or self._cached[0] != key:
+            self._cached = None  # free the stale weights before building the new ones
+            self._cached = (key, self.member_weights().to(dtype))
+        return self._cached[1]
+
+    def project(self, xm: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """((x V) ⊙ s_m) Uᵀ for each member's rows: xm (M, N, in), s (M, r) → (M, N, out)."""
+        return ((xm @ self.sve_V.to(xm.dtype)) * s[:, None, :]) @ self.sve_U.to(xm.dtype).T
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xm = split_members(x, self.members)                                      # (M, N, in)
-        mode = self.mode(xm.shape[1])
         s = self.singular_values(x.dtype)
-        if mode == "factorized":
-            y = ((xm @ self.sve_V.to(x.dtype)) * s[:, None, :]) @ self.sve_U.to(x.dtype).T
+        bias = None if self.sve_bias is None else self.sve_bias.to(x.dtype)[:, None, :]
+        if self.top_k:  # shared W: one GEMM over all M·N rows, plus each member's rank-k change
+            y = F.linear(xm, self.base_layer.weight.to(x.dtype))                  # (M, N, out)
+            y = y + self.project(xm, s - self.sve_s0.to(x.dtype))
         else:
-            y = xm @ self.member_weights().to(x.dtype).transpose(1, 2)          # (M, N, out)
-        if self.sve_bias is not None:
-            y = y + self.sve_bias.to(x.dtype)[:, None, :]
+            step = torch.is_grad_enabled() and self.sve_s.requires_grad
+            cached = self.cache_weights and not self.training and not step
+            if self.mode(xm.shape[1], step, x.requires_grad, cached) == "factorized":
+                y = self.project(xm, s)                                          # (M, N, out)
+            else:
+                W = self.weights(x.dtype, cached).transpose(1, 2)                # (M, in, out)
+                if bias is not None:  # the bias added inside the batched GEMM
+                    return torch.baddbmm(bias, xm, W).reshape(*x.shape[:-1], -1)
+                y = xm @ W
+        if bias is not None:
+            y = y + bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def train(self, mode: bool = True) -> SVELinear:
+        if mode:
+            self._cached = None  # training changes s_m: cached weights go stale
+        return super().train(mode)
+
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, rank={self.rank}, forward_mode={self.forward_mode}"
+        extra = ", top_k" if self.top_k else f", forward_mode={self.forward_mode}"
+        return f"{super().extra_repr()}, rank={self.rank}{extra}"
 
 
 class SplitSVELinear(SVELinear):
     """SVE on a fused q/k/v layer with q, k and v decomposed apart (``qkv: split``).
 
     The wrapped weight (3·o, in) holds W_q, W_k, W_v (o × in each) stacked along the outputs;
-    each gets its own float32 SVD W_j = U_j diag(s_j) V_jᵀ, r = min(o, in). Frozen: sve_U
-    (3, o, r), sve_V (3, in, r), sve_s0 (3, r). Trained: sve_s (M, 3, r), sve_bias (M, 3·o).
-    Input (M·B, …, in) member-major, output (M·B, …, 3·o): member m computes
+    each gets its own float32 SVD W_j = U_j diag(s_j) V_jᵀ, r = min(o, in) (k with ``rank``).
+    Frozen: sve_U (3, o, r), sve_V (3, in, r), sve_s0 (3, r). Trained: sve_s (M, 3, r),
+    sve_bias (M, 3·o). Input (M·B, …, in) member-major, output (M·B, …, 3·o): member m computes
         factorised:   y_j = ((x V_j) ⊙ s_mj) U_jᵀ,  y = [y_q, y_k, y_v] + b_m
         materialised: y = x W_mᵀ + b_m,  W_m = [U_j diag(s_mj) V_jᵀ]_j stacked  (3·o, in)
+        top-k:        y = x Wᵀ + [((x V_j) ⊙ (s_mj − s_j)) U_jᵀ]_j + b_m
     With σ_init = 0 it reproduces the fused layer.
     """
 
@@ -191,29 +277,36 @@ class SplitSVELinear(SVELinear):
         parts = [svd(w, cache, f"{key}.{j}") for j, w in enumerate(W.chunk(self.splits))]
         return tuple(torch.stack(f) for f in zip(*parts, strict=True))          # type: ignore
 
-    def flops(self, rows: int) -> dict[str, int]:
-        r, i, o = self.rank, self.in_features, self.out_features // self.splits
-        return {"factorized": self.splits * rows * r * (i + o),
-                "materialized": self.splits * o * r * i + rows * i * self.splits * o}
-
     def member_weights(self) -> torch.Tensor:
         """W_m for all members: (M, 3·o, in)."""
         s = self.singular_values(self.sve_U.dtype)                               # (M, 3, r)
         W = (self.sve_U * s[:, :, None, :]) @ self.sve_V.transpose(1, 2)        # (M, 3, o, in)
         return W.flatten(1, 2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xm = split_members(x, self.members)                                      # (M, N, in)
-        mode = self.mode(xm.shape[1])
-        if mode == "factorized":
-            s = self.singular_values(x.dtype)                                    # (M, 3, r)
-            h = torch.einsum("mni,jir->mjnr", xm, self.sve_V.to(x.dtype)) * s[:, :, None, :]
-            y = torch.einsum("mjnr,jor->mnjo", h, self.sve_U.to(x.dtype)).flatten(2)
-        else:
-            y = xm @ self.member_weights().to(x.dtype).transpose(1, 2)          # (M, N, 3·o)
-        if self.sve_bias is not None:
-            y = y + self.sve_bias.to(x.dtype)[:, None, :]
-        return y.reshape(*x.shape[:-1], self.out_features)
+    def project(self, xm: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """[((x V_j) ⊙ s_mj) U_jᵀ]_j: xm (M, N, in), s (M, 3, r) → (M, N, 3·o)."""
+        h = torch.einsum("mni,jir->mjnr", xm, self.sve_V.to(xm.dtype)) * s[:, :, None, :]
+        return torch.einsum("mjnr,jor->mnjo", h, self.sve_U.to(xm.dtype)).flatten(2)
+
+
+def check_rank(rank: Any, encoder: nn.Module, suffixes: Sequence[str],
+               split: Callable[[str], bool]) -> int | None:
+    """``rank`` (None, or k singular directions per layer) if every linear layer ``suffixes``
+    match has at least k (min(out, in), per q, k, v block where ``split`` says so), else a
+    ValueError naming k and the valid range."""
+    if rank is None:
+        return None
+    limits = {n: min(m.out_features // (3 if split(n) else 1), m.in_features)
+              for n, m in encoder.named_modules() if isinstance(m, nn.Linear)
+              and any(matches(n, suffix) for suffix in suffixes)}
+    name, most = min(limits.items(), key=lambda kv: kv[1]) if limits else ("", None)
+    ok = isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1
+    if not ok or (most is not None and rank > most):
+        top = f"{most} (layer '{name}' has {most} singular values)" if most else "min(out, in)"
+        raise ValueError(f"method.rank={rank!r}: give an integer from 1 to {top}, the singular "
+                         f"directions each member adapts per layer, or null for all of them "
+                         f"(SVE)")
+    return rank
 
 
 class SVE(EnsembleMethod):
@@ -230,6 +323,11 @@ class SVE(EnsembleMethod):
     qkv: fused | split, how a backbone's fused q/k/v layers (``backbone.fused_qkv``) are
     decomposed (a no-op on backbones without one). clamp_singular_values: use max(s_m, 0).
     head_init: default | p1 (N(0, 0.01²) weights, zero bias).
+    rank: null (every singular direction adapts: SVE) | k, top-k SVE, the memory option: each
+    member adapts only the k largest singular directions of every layer (per q, k, v block
+    when split) over the kept pretrained W (:class:`SVELinear`); 1 <= k <= min(out, in) of
+    every targeted layer. cache_weights: in evaluation, keep the member weights W_m between
+    calls (M·out·in values per layer; full rank only).
     Trains each wrapped layer's sve_s and sve_bias and the heads.
     """
 
@@ -238,7 +336,8 @@ class SVE(EnsembleMethod):
                  targets: str | Sequence[str] | None = None, pretrained_decay: float = 0.0,
                  svd_cache: str | None = None, release_pretrained: bool = True,
                  qkv: str = "fused", clamp_singular_values: bool = False,
-                 head_init: str = "default", name: str = "sve") -> None:
+                 head_init: str = "default", rank: int | None = None,
+                 cache_weights: bool = True, name: str = "sve") -> None:
         sigma_init = check_sigma(sigma_init)
         qkv = check_qkv(qkv)
         if forward_mode not in FORWARD_MODES:
@@ -255,10 +354,16 @@ class SVE(EnsembleMethod):
         self.head_init = head_init
         cache = None if svd_cache is None else Path(svd_cache) / backbone.name
 
+        def split(n: str) -> bool:
+            return qkv == "split" and fused_qkv(backbone, n)
+
+        self.rank = check_rank(rank, self.encoder, suffixes, split)
+        self.cache_weights = bool(cache_weights)
+
         def wrap(n: str, layer: nn.Linear) -> SVELinear:
-            kind = SplitSVELinear if qkv == "split" and fused_qkv(backbone, n) else SVELinear
+            kind = SplitSVELinear if split(n) else SVELinear
             return kind(layer, self.members, self.sigma_init, forward_mode, cache, n,
-                        release_pretrained, self.clamp)
+                        release_pretrained, self.clamp, self.rank, self.cache_weights)
 
         self.targets = suffixes
         self.replaced = replace_linears(self.encoder, suffixes, wrap, name)
@@ -284,4 +389,12 @@ class SVE(EnsembleMethod):
             "pretrained_decay": self.pretrained_decay,
             "release_pretrained": self.release_pretrained, "qkv": self.qkv,
             "split_qkv_layers": sum(isinstance(m, SplitSVELinear) for m in self.layers()),
-            "clamp_singular_values": self.clamp, "head_init": self.head_init}
+            "clamp_singular_values": self.clamp, "head_init": self.head_init,
+            "rank": self.rank, "cache_weights": self.cache_weights}
+
+    def param_counts(self) -> dict[str, int | float]:
+        """The ensemble's counts (:meth:`EnsembleMethod.param_counts`) and targeted_bytes:
+        everything the wrapped layers hold (kept pretrained weights, frozen factors, the
+        members' singular values and biases) at the dtypes used."""
+        held = (t for m in self.layers() for t in (*m.parameters(), *m.buffers()))
+        return super().param_counts() | {"targeted_bytes": nbytes(held)}
