@@ -47,3 +47,25 @@ def test_the_engine_layout_is_bookkeeping_for_both_the_folder_and_the_identity()
     requested["trainer"]["precision"] = "bf16-mixed"
     assert runfolder.differences(stored, requested) == [
         "trainer.precision: '<absent>' (stored) → 'bf16-mixed' (requested)"]
+
+
+def test_speed_options_are_bookkeeping_for_both_the_folder_and_the_identity(compose_cfg):
+    from uqbench import configs, runfolder
+
+    assert configs.SPEED_OPTIONS == runfolder.SPEED_OPTIONS
+    stored = {"method": {"variance": "embedded"}}  # a BNN run stored before the fast paths
+    requested = {"method": {"variance": "embedded", "fused": False, "compile": True}}
+    assert runfolder.differences(stored, requested) == []
+    overrides = ["method.fused=false", "method.compile=true", "trainer.optimizer.lr=0.01"]
+    assert identity_overrides(overrides, compose_cfg(overrides)) == ["trainer.optimizer.lr=0.01"]
+
+
+def test_mc_dropout_runs_stored_before_the_mask_option_drew_torch_masks():
+    from uqbench import runfolder
+
+    stored = {"method": {"samples": 4, "p": 0.1}}
+    old = {"method": {"samples": 4, "p": 0.1, "masks": "torch"}}
+    new = {"method": {"samples": 4, "p": 0.1, "masks": "fast"}}
+    assert runfolder.differences(stored, old) == []
+    assert runfolder.differences(stored, new) == [
+        "method.masks: '<absent>' (stored) → 'fast' (requested)"]

@@ -37,10 +37,14 @@ BOOKKEEPING = ("paths", "skip_existing", "overwrite", "save_predictions", "plot"
 # The engine's layout: the same computation on other hardware (uqbench.configs.ENGINE_LAYOUT).
 ENGINE_LAYOUT = ("strategy", "devices", "num_nodes", "accumulate", "activation_checkpointing",
                  "checkpoint_every", "keep_checkpoint", "progress")
+# Method options that choose how the same numbers are computed (fused or compiled moment
+# passes, SVE's cached member weights), as device does: not part of a run's identity
+# (uqbench.configs.SPEED_OPTIONS).
+SPEED_OPTIONS = ("fused", "compile", "cache_weights")
 # Keys added to the config since runs were first stored, with the value the older runs used.
-# SVE's weight cache only changes how evaluation is computed (not its numbers); rank: null is
-# SVE as it always was.
-ADDED_KEYS = {"trainer.precision": "32", "method.cache_weights": True, "method.rank": None}
+# rank: null is SVE as it always was; MC-Dropout's earlier runs drew nn.Dropout's masks (the
+# fast masks draw other numbers for a seed, so those runs are another configuration).
+ADDED_KEYS = {"trainer.precision": "32", "method.rank": None, "method.masks": "torch"}
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 
 
@@ -194,8 +198,9 @@ def identity(config: dict[str, Any]) -> dict[str, Any]:
         if isinstance(node, dict):
             for k, v in node.items():
                 if ((not prefix and k in BOOKKEEPING) or str(k).startswith("_")
-                        or (prefix == "trainer." and k in ENGINE_LAYOUT)):
-                    continue  # bookkeeping, Hydra's instantiation keys, the engine's layout
+                        or (prefix == "trainer." and k in ENGINE_LAYOUT)
+                        or (prefix == "method." and k in SPEED_OPTIONS)):
+                    continue  # bookkeeping, Hydra's keys, the engine's layout, speed options
                 walk(v, f"{prefix}{k}.")
         else:
             flat[prefix[:-1]] = node
