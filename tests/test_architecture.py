@@ -98,8 +98,9 @@ def test_tasks_build_only_on_contracts_and_metrics():
 
 def test_only_the_runner_composes_backbone_method_and_dataset():
     """Only the runner imports both methods and data at run time (the training loop names
-    their types under TYPE_CHECKING), and only the runner and its parameter job build the
-    backbone, method and dataset configs."""
+    their types under TYPE_CHECKING), and only the runner, its parameter job and the
+    benchmark (which builds methods exactly as a run does) build the backbone, method and
+    dataset configs."""
     composers = [m for m, imports in RUNTIME.items()
                  if {"methods", "data"} <= {_layer(i) for i in imports}]
     assert composers in ([], ["uqbench.run"])
@@ -110,7 +111,7 @@ def test_only_the_runner_composes_backbone_method_and_dataset():
                     and node.args and any(f"cfg.{g}" in ast.unparse(node.args[0])
                                           for g in ("backbone", "method", "dataset"))):
                 builders.add(name)
-    assert builders == {"uqbench.run", "uqbench.overhead"}
+    assert builders == {"uqbench.run", "uqbench.overhead", "uqbench.bench.ensembles"}
 
 
 def test_no_import_cycle():

@@ -35,9 +35,10 @@ def test_run_writes_results_and_predictions_that_recompute(tmp_path):
     assert res["params"] == {"total": 36, "trainable": 36}
     assert "method.variance=learned" in res["overrides"]
     assert res["time"]["train_s"] > 0 and res["time"]["eval_s"] >= 0
-    # each moment layer runs 3 matrix products (mean; var from v and from m²), 2 FLOPs per
-    # multiply-add: 1→4 costs 3·2·4, 4→2 (mean and variance outputs) 3·2·4·2 per example
-    assert res["cost"]["forward_flops_per_example"] == 3 * 2 * 4 + 3 * 2 * 4 * 2
+    # a moment layer runs 3 matrix products (mean; var from v and from m²), 2 FLOPs per
+    # multiply-add: 4→2 (mean and variance outputs) costs 3·2·4·2 per example; the first layer
+    # has one input, an outer product computed elementwise (no matrix product to count)
+    assert res["cost"]["forward_flops_per_example"] == 3 * 2 * 4 * 2
     assert res["cost"]["peak_memory_bytes"] > 10**6
     assert res["calibration"] is None  # regression has no post-hoc calibration
     assert "val/nll" in res["metrics"]  # the validation split is scored too

@@ -470,8 +470,8 @@ class GaussianLinear(_GaussianParams):
         else:
             out_mean = F.linear(mean, self.weight_mu, self.bias_mu)
             out_var = torch.addmm(b_var, mean * mean, w_var.T)
-            if var is not None:
-                out_var.addmm_(var, (self.weight_mu ** 2 + w_var).T)
+            if var is not None:  # out of place: torch's FLOP counter skips an in-place addmm_
+                out_var = torch.addmm(out_var, var, (self.weight_mu ** 2 + w_var).T)
         return out_mean, out_var
 
     def forward_sampled(self, x: torch.Tensor) -> torch.Tensor:

@@ -208,7 +208,7 @@ class SVELinear(MemberLinear):
     def weights(self, dtype: torch.dtype, cached: bool) -> torch.Tensor:
         """The member weights (M, out, in) in ``dtype``: from the cache when ``cached`` and
         nothing they are built from changed since (same tensor versions and storage)."""
-        if not cached:
+        if not cached or not self._cache_fits(dtype):
             return self.member_weights().to(dtype)
         key = (dtype, self.clamp, *((t.data_ptr(), t._version)
                                     for t in (self.sve_s, self.sve_U, self.sve_V)))
@@ -216,6 +216,16 @@ class SVELinear(MemberLinear):
             self._cached = None  # free the stale weights before building the new ones
             self._cached = (key, self.member_weights().to(dtype))
         return self._cached[1]
+
+    def _cache_fits(self, dtype: torch.dtype) -> bool:
+        """On a GPU, a layer's member weights are cached only while they take at most a quarter
+        of the free memory (LLaMA-2-7B at M = 16 would need ~16× its targeted weights): the
+        layers that do not fit compute W_m per call, as with cache_weights off."""
+        if self._cached is not None or self.sve_U.device.type != "cuda":
+            return True
+        free, _ = torch.cuda.mem_get_info(self.sve_U.device)
+        need = self.members * self.out_features * self.in_features * dtype.itemsize
+        return need <= free // 4
 
     def project(self, xm: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         """((x V) ⊙ s_m) Uᵀ for each member's rows: xm (M, N, in), s (M, r) → (M, N, out)."""
