@@ -126,11 +126,11 @@ def test_ensemble_figures_tiny_vit(monkeypatch):
     monkeypatch.setattr(ensembles, "_tu", lambda: None)
     rows = ensembles.time_rows(ensembles.MODELS["tiny_vit"], 2, 4, CPU, repeats=1, anchors=True)
     figures = {r.figure: r for r in rows}
-    assert figures["SVE M = 2 training step / Deep Ensemble M = 2 step"].ours > 0
-    mcd = figures["MC-Dropout T = 2 inference / single"]
+    assert figures["SVE M = 2 training step / Deep Ensemble M = 2 step (batch 4)"].ours > 0
+    mcd = figures["MC-Dropout T = 2 inference / single (batch 4)"]
     assert mcd.target == pytest.approx(2.2) and mcd.anchor_value is None
     assert "torch-uncertainty not installed" in mcd.note
-    state = figures["SVE M = 2 trainable state / Deep Ensemble M = 2's"]
+    state = figures["SVE M = 2 trainable state / Deep Ensemble M = 2's (batch 4)"]
     assert 0 < state.ours < 100
 
 

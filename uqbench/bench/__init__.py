@@ -45,7 +45,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    "gets the anchors and the full repeats)")
     p.add_argument("--text-members", default="4", help="ensemble sizes for BERT and LLaMA "
                    "(a BERT-base step at batch 8 takes seconds per member on a CPU)")
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch", type=int, default=8, help="image batch at the first M (larger M "
+                   "keep M·batch rows per step)")
+    p.add_argument("--text-batch", type=int, default=4, help="text batch at the first M")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats of the ensembles "
                    "(the moment pass gets 10×)")
     p.add_argument("--quick", action="store_true", help="tiny shapes, few repeats: checks "
@@ -89,16 +91,20 @@ def main(argv: list[str] | None = None) -> None:
 
     parts, records = _csv(args.parts), []
     start = time.perf_counter()
+
+    def done(rows: list[report.Record]) -> None:  # written as measured: a crash keeps them
+        records.extend(rows)
+        report.write(records, args.out, device)
+        _progress(f"{len(records)} figures", start)
+
     if "bnn" in parts:
-        records += bnn.run(device, repeats=2 * args.repeats if args.quick else 10 * args.repeats,
-                           quick=args.quick)
-        _progress("moment propagation", start)
+        done(bnn.run(device, repeats=2 * args.repeats if args.quick else 10 * args.repeats,
+                     quick=args.quick))
     if "ensembles" in parts:
-        records += ensembles.run(device, args.repeats, args.members, _csv(args.models),
-                                 batch=args.batch, text_members=args.text_members)
-        _progress("ensembles", start)
+        ensembles.run(device, args.repeats, args.members, _csv(args.models), batch=args.batch,
+                      text_members=args.text_members, text_batch=args.text_batch, done=done)
     if "layers" in parts and not args.quick:
-        records += ensembles.llama_layer_memory()
+        done(ensembles.llama_layer_memory())
     header = report.write(records, args.out, device)
     print(report.markdown(records, header))
     print(f"wrote {args.out / 'bench.json'} and {args.out / 'bench.md'} "

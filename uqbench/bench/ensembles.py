@@ -32,8 +32,8 @@ from uqbench.methods.layers import MemberLinear
 
 CLASSES = 10
 TOPK_KEY = "method.rank"  # SVE's top-k option: only the k largest singular directions adapt
-SECTION_TIME = "Ensembles: time ({model}, batch {batch})"
-SECTION_MEMORY = "Ensembles: memory ({model}, batch {batch})"
+SECTION_TIME = "Ensembles: time ({model})"
+SECTION_MEMORY = "Ensembles: memory ({model})"
 SECTION_LAYERS = "Memory of the targeted layers"
 
 
@@ -181,7 +181,7 @@ def time_rows(model: Model, members: int, batch: int, device: torch.device, repe
               anchors: bool) -> list[Record]:
     """Training-step and inference ratios, and memory, at M = ``members`` (the single model is
     timed again beside every M, so each ratio comes from one side-by-side measurement)."""
-    dev, section = str(device), SECTION_TIME.format(model=model.label, batch=batch)
+    dev, section = str(device), SECTION_TIME.format(model=model.label)
     inputs, labels = model.inputs(batch, device), torch.randint(0, CLASSES, (batch,),
                                                                 device=device)
     m = f"method.members={members}"
@@ -214,34 +214,35 @@ def time_rows(model: Model, members: int, batch: int, device: torch.device, repe
                          device, repeats=repeats, warmup=1)
     t = {f"train_{k}": v for k, v in train.items()} | {f"infer_{k}": v for k, v in infer.items()}
     tag = f"M = {members}"
+    at = f" (batch {batch})"
     skipped = "" if tu else ("torch-uncertainty not installed: anchor skipped" if anchors
                              else "anchor measured at the first M only (time)")
     rows = [
-        Record(f"SVE {tag} training step / Deep Ensemble {tag} step",
+        Record(f"SVE {tag} training step / Deep Ensemble {tag} step{at}",
                t["train_sve"] / t["train_de"], "×", dev, target=1.0, section=section,
                note=f"SVE {t['train_sve']:.3g} s, Deep Ensemble {t['train_de']:.3g} s"),
-        Record(f"SVE {tag} inference / Deep Ensemble {tag} inference",
+        Record(f"SVE {tag} inference / Deep Ensemble {tag} inference{at}",
                t["infer_sve"] / t["infer_de"], "×", dev, target=1.0, section=section,
                note=f"SVE {t['infer_sve']:.3g} s, Deep Ensemble {t['infer_de']:.3g} s"),
-        Record(f"Deep Ensemble {tag} training step / single", t["train_de"] / t["train_single"],
+        Record(f"Deep Ensemble {tag} training step / single{at}", t["train_de"] / t["train_single"],
                "×", dev, anchor="torch-uncertainty deep_ensembles",
                anchor_value=t["train_tu_de"] / t["train_plain"] if tu else None,
                target=float(members), target_rule="M", section=section,
                note=skipped or f"single {t['train_single']:.3g} s"),
-        Record(f"LoRA-Ensemble {tag} training step / single",
+        Record(f"LoRA-Ensemble {tag} training step / single{at}",
                t["train_lora"] / t["train_single"], "×", dev, section=section),
-        Record(f"LoRA-Ensemble {tag} inference / single", t["infer_lora"] / t["infer_single"],
+        Record(f"LoRA-Ensemble {tag} inference / single{at}", t["infer_lora"] / t["infer_single"],
                "×", dev, section=section),
-        Record(f"MC-Dropout T = {members} inference / single",
+        Record(f"MC-Dropout T = {members} inference / single{at}",
                t["infer_mcd"] / t["infer_single"], "×", dev,
                anchor="torch-uncertainty mc_dropout",
                anchor_value=t["infer_tu_mcd"] / t["infer_plain"] if tu else None,
                target=1.1 * members, target_rule="1.1 · T", section=section,
                note=skipped or f"single {t['infer_single'] * 1e3:.3g} ms"),
     ]
-    msection = SECTION_MEMORY.format(model=model.label, batch=batch)
+    msection = SECTION_MEMORY.format(model=model.label)
     state = {k: steppers[k].state_bytes() for k in ("sve", "de", "lora", "single")}
-    rows.append(Record(f"SVE {tag} trainable state / Deep Ensemble {tag}'s",
+    rows.append(Record(f"SVE {tag} trainable state / Deep Ensemble {tag}'s{at}",
                        100 * state["sve"] / state["de"], "%", dev, target=2.0, section=msection,
                        note=f"parameters + gradients + AdamW state: SVE "
                             f"{state['sve'] / 1e6:.3g} MB, Deep Ensemble "
@@ -249,13 +250,13 @@ def time_rows(model: Model, members: int, batch: int, device: torch.device, repe
                             f"{state['lora'] / 1e6:.3g} MB"))
     peaks = {k: steppers[k].peak(device) for k in ("sve", "de", "lora")}
     if all(p is not None for p in peaks.values()):
-        rows.append(Record(f"SVE {tag} training-step peak memory / Deep Ensemble's",
+        rows.append(Record(f"SVE {tag} training-step peak memory / Deep Ensemble's{at}",
                            peaks["sve"] / peaks["de"], "×", dev, section=msection,
                            note=f"SVE {peaks['sve'] / 1e9:.3g} GB, Deep Ensemble "
                                 f"{peaks['de'] / 1e9:.3g} GB, LoRA-Ensemble "
                                 f"{peaks['lora'] / 1e9:.3g} GB"))
     else:
-        rows.append(Record(f"SVE {tag} training-step peak memory / Deep Ensemble's", None, "×",
+        rows.append(Record(f"SVE {tag} training-step peak memory / Deep Ensemble's{at}", None, "×",
                            dev, section=msection, note="the memory tracker could not follow "
                                                        "a step"))
     _free(steppers)
@@ -298,17 +299,30 @@ def layer_memory(model: Model, members: int, device: torch.device, topk: list[in
 
 def run(device: torch.device, repeats: int, members: list[int], models: list[str],
         batch: int = 8, anchors: bool = True, topk: tuple[int, ...] = (8, 64),
-        text_members: list[int] | None = None) -> list[Record]:
-    """Every model's time and memory rows at each M (text models: ``text_members``, default
-    ``members``), then its targeted-layer memory."""
+        text_members: list[int] | None = None, text_batch: int | None = None,
+        done: Callable[[list[Record]], None] = lambda rows: None) -> list[Record]:
+    """Every model's time and memory rows at each M, then its targeted-layer memory.
+
+    ``batch`` is the batch at the first M; larger M get a batch that keeps M·B rows per step
+    (a 16-member Deep Ensemble of ViT-S/16 at batch 8 needs more than 24 GB to train), so
+    each ratio compares methods at one batch. Text models use ``text_members`` and
+    ``text_batch``; torch-uncertainty's anchors run on image models at the first M. ``done``
+    is called with the rows of each M as they are measured."""
     records: list[Record] = []
     for key in models:
         model = MODELS[key]
-        sizes = text_members if text_members and key in ("bert", "llama") else members
+        text = key in ("bert", "llama", "tiny_bert")
+        sizes = text_members if text and text_members else members
+        first = text_batch if text and text_batch else batch
         for i, m in enumerate(sizes):
-            records += time_rows(model, m, batch, device, repeats if i == 0 else
-                                 max(2, repeats // 2), anchors and i == 0)
-        records += layer_memory(model, members[0], device, list(topk))
+            rows = time_rows(model, m, max(1, first * sizes[0] // m), device,
+                             repeats if i == 0 else max(2, repeats // 2),
+                             anchors and i == 0 and not text)
+            records += rows
+            done(rows)
+        rows = layer_memory(model, sizes[0], device, list(topk))
+        records += rows
+        done(rows)
     return records
 
 
