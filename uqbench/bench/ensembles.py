@@ -216,7 +216,7 @@ def time_rows(model: Model, members: int, batch: int, device: torch.device, repe
     tag = f"M = {members}"
     at = f" (batch {batch})"
     skipped = "" if tu else ("torch-uncertainty not installed: anchor skipped" if anchors
-                             else "anchor measured at the first M only (time)")
+                             else "anchors: on ViT-S/16 at the first M only (time, memory)")
     rows = [
         Record(f"SVE {tag} training step / Deep Ensemble {tag} step{at}",
                t["train_sve"] / t["train_de"], "×", dev, target=1.0, section=section,
@@ -285,8 +285,9 @@ def layer_memory(model: Model, members: int, device: torch.device, topk: list[in
         where = f"({model.label}, M = {members})"
         rows += [
             Record(f"{name} memory of the targeted layers / LoRA-Ensemble's on the same layers "
-                   f"{where}", layers / lora_all, "×", dev, target=1.0,
-                   target_rule="with the top-k option", section=SECTION_LAYERS,
+                   f"{where}", layers / lora_all, "×", dev,
+                   target=None if k is None else 1.0,
+                   target_rule=None if k is None else "the top-k option", section=SECTION_LAYERS,
                    note=f"{name} {layers / 1e9:.4g} GB, LoRA-Ensemble r = 8 "
                         f"{lora_all / 1e9:.4g} GB{dtype_note}"),
             Record(f"{name} model memory / LoRA-Ensemble's (attention adapters) {where}",

@@ -113,7 +113,7 @@ def markdown(records: list[Record], header: dict[str, Any]) -> str:
         for r in rows:
             target = "—" if r.target is None else (
                 f"≤ {_fmt(r.target, r.unit)}" + (f" ({r.target_rule})" if r.target_rule else ""))
-            lines.append(f"| {r.figure} | {_fmt(r.ours, r.unit)} | {r.anchor or '—'} | "
+            lines.append(f"| {_cell(r.figure)} | {_fmt(r.ours, r.unit)} | {r.anchor or '—'} | "
                          f"{_fmt(r.anchor_value, r.unit)} | {target} | {_verdict(r)} | "
                          f"{_cell(r.note)} |")
         lines.append("")
