@@ -144,3 +144,14 @@ def test_targeted_layer_bytes_lora_by_hand():
     qkv = 48 * 16 + 48 + 3 * (2 * 8 * 16 + 2 * 16 * 8)   # W, b, and A, B per q, k, v
     proj = 16 * 16 + 16 + (2 * 8 * 16 + 2 * 16 * 8)
     assert ensembles.targeted_bytes(lora) == 4 * 2 * (qkv + proj)
+
+
+def test_the_llama_rows_run_on_a_tiny_llama():
+    """The GPU-only LLaMA-2-7B rows go through the causal-LM backbone: the same code, tiny."""
+    from uqbench.bench import ensembles
+
+    rows = ensembles.time_rows(ensembles.MODELS["tiny_llama"], 2, 2, CPU, repeats=1,
+                               anchors=False)
+    figures = {r.figure: r for r in rows}
+    assert figures["SVE M = 2 training step / Deep Ensemble M = 2 step (batch 2)"].ours > 0
+    assert all(r.ours is not None for r in rows)

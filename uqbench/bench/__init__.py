@@ -39,8 +39,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--parts", default=",".join(PARTS), help=f"any of {', '.join(PARTS)}")
     p.add_argument("--models", default=None, help="ensembles on: vit, bert, llama (LLaMA-2-7B "
-                   "shapes, GPU); tiny_vit, tiny_bert: the same code on tiny shapes. Default: "
-                   "vit,bert (and llama on a GPU)")
+                   "shapes, GPU); tiny_vit, tiny_bert, tiny_llama: the same code on tiny "
+                   "shapes. Default: vit,bert (and llama on a GPU)")
     p.add_argument("--members", default="4,8,16", help="ensemble sizes M (the first one also "
                    "gets the anchors and the full repeats)")
     p.add_argument("--text-members", default="4", help="ensemble sizes for BERT and LLaMA "
@@ -59,7 +59,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         p.error(f"--parts {bad} not among {PARTS}")
     if args.models is None:
         args.models = "vit,bert,llama" if args.device.startswith("cuda") else "vit,bert"
-    models = ("vit", "bert", "llama", "tiny_vit", "tiny_bert")
+    models = ("vit", "bert", "llama", "tiny_vit", "tiny_bert", "tiny_llama")
     bad = [x for x in _csv(args.models) if x not in models]
     if bad:
         p.error(f"--models {bad} not among {', '.join(models)}")

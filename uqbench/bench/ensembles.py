@@ -70,6 +70,7 @@ MODELS = {
     # the same code paths on tiny shapes (tests, --quick)
     "tiny_vit": Model("tiny ViT, 16 px", "tiny_vit", (), _images(16)),
     "tiny_bert": Model("tiny BERT, length 16", "tiny_bert", (), _tokens(16, 30522)),
+    "tiny_llama": Model("tiny LLaMA, length 16", "tiny_llama", (), _tokens(16, 30522)),
 }
 
 
@@ -312,7 +313,7 @@ def run(device: torch.device, repeats: int, members: list[int], models: list[str
     records: list[Record] = []
     for key in models:
         model = MODELS[key]
-        text = key in ("bert", "llama", "tiny_bert")
+        text = key in ("bert", "llama", "tiny_bert", "tiny_llama")
         sizes = text_members if text and text_members else members
         first = text_batch if text and text_batch else batch
         for i, m in enumerate(sizes):
