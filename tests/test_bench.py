@@ -137,13 +137,14 @@ def test_ensemble_figures_tiny_vit(monkeypatch):
 
 def test_targeted_layer_bytes_lora_by_hand():
     from uqbench.bench import ensembles
+    from uqbench.methods.layers import wrapped_bytes
 
     lora = ensembles.build(ensembles.MODELS["tiny_vit"], "lora_ensemble", CPU,
                            "method.members=2")
     # tiny ViT: width 16, 2 blocks; LoRA r = 8 on qkv (split into q, k, v) and proj, M = 2
     qkv = 48 * 16 + 48 + 3 * (2 * 8 * 16 + 2 * 16 * 8)   # W, b, and A, B per q, k, v
     proj = 16 * 16 + 16 + (2 * 8 * 16 + 2 * 16 * 8)
-    assert ensembles.targeted_bytes(lora) == 4 * 2 * (qkv + proj)
+    assert wrapped_bytes(lora) == 4 * 2 * (qkv + proj)
 
 
 def test_the_llama_rows_run_on_a_tiny_llama():

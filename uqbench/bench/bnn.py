@@ -17,6 +17,7 @@ import copy
 import functools
 import math
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -65,26 +66,39 @@ def moment_pass(bnn: BayesianMLP) -> Callable[[torch.Tensor], tuple[torch.Tensor
     return bnn.moment_pass
 
 
-def fastbnns_models(plain: nn.Sequential) -> dict[str, Callable[[torch.Tensor], object]] | None:
-    """fastbnns' conversions of ``plain`` (None when fastbnns is not installed):
-    analytic (its Leaky-ReLU moment propagator), unscented (its default for Leaky-ReLU) and
-    Monte Carlo factories keyed by S."""
+def _fastbnns() -> SimpleNamespace | None:
+    """fastbnns' converter, propagators and moment type (None when it is not installed)."""
     try:
         from fastbnns.bnn import inference
         from fastbnns.bnn.base import BNN
         from fastbnns.bnn.types import MuVar
     except ImportError:
         return None
-    analytic = BNN(copy.deepcopy(plain), wrapper_kwargs_type={
-        "LeakyReLU": {"moment_propagator": inference.LeakyReLUa()}}).eval()
-    unscented = BNN(copy.deepcopy(plain)).eval()
+    return SimpleNamespace(inference=inference, BNN=BNN, MuVar=MuVar)
+
+
+def _analytic(fb: SimpleNamespace, net: nn.Sequential) -> nn.Module:
+    """fastbnns' conversion of ``net`` with its analytic Leaky-ReLU moment propagator."""
+    return fb.BNN(copy.deepcopy(net), wrapper_kwargs_type={
+        "LeakyReLU": {"moment_propagator": fb.inference.LeakyReLUa()}}).eval()
+
+
+def fastbnns_models(plain: nn.Sequential) -> dict[str, Callable[[torch.Tensor], object]] | None:
+    """fastbnns' conversions of ``plain`` (None when fastbnns is not installed):
+    analytic (its Leaky-ReLU moment propagator), unscented (its default for Leaky-ReLU) and
+    Monte Carlo factories keyed by S."""
+    fb = _fastbnns()
+    if fb is None:
+        return None
+    analytic = _analytic(fb, plain)
+    unscented = fb.BNN(copy.deepcopy(plain)).eval()
     out: dict[str, Callable[[torch.Tensor], object]] = {
-        "analytic": lambda x: analytic(MuVar(x)), "unscented": lambda x: unscented(MuVar(x))}
+        "analytic": lambda x: analytic(fb.MuVar(x)), "unscented": lambda x: unscented(fb.MuVar(x))}
     for s in (10, 100, 1000):
-        mc = BNN(copy.deepcopy(plain), wrapper_kwargs_type={
-            "Linear": {"moment_propagator": inference.MonteCarlo(n_samples=s)},
-            "LeakyReLU": {"moment_propagator": inference.MonteCarlo(n_samples=s)}}).eval()
-        out[f"mc{s}"] = (lambda m: lambda x: m(MuVar(x)))(mc)
+        mc = fb.BNN(copy.deepcopy(plain), wrapper_kwargs_type={
+            "Linear": {"moment_propagator": fb.inference.MonteCarlo(n_samples=s)},
+            "LeakyReLU": {"moment_propagator": fb.inference.MonteCarlo(n_samples=s)}}).eval()
+        out[f"mc{s}"] = (lambda m: lambda x: m(fb.MuVar(x)))(mc)
     return out
 
 
@@ -195,16 +209,12 @@ def unit_accuracy(device: torch.device, reference: int = 200_000, trials: int = 
 
 def _fastbnns_unit(t: torch.Tensor) -> torch.Tensor | None:
     """fastbnns' analytic Leaky-ReLU variance for inputs N(t, 1) (None if not installed)."""
-    try:
-        from fastbnns.bnn import inference
-        from fastbnns.bnn.base import BNN
-        from fastbnns.bnn.types import MuVar
-    except ImportError:
+    fb = _fastbnns()
+    if fb is None:
         return None
-    unit = BNN(nn.Sequential(nn.LeakyReLU(SLOPE)), wrapper_kwargs_type={
-        "LeakyReLU": {"moment_propagator": inference.LeakyReLUa()}})
     with torch.no_grad():
-        out = unit(MuVar(t.clone(), torch.ones_like(t)))
+        out = _analytic(fb, nn.Sequential(nn.LeakyReLU(SLOPE)))(fb.MuVar(t.clone(),
+                                                                         torch.ones_like(t)))
     return out.var
 
 

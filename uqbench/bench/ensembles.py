@@ -28,7 +28,7 @@ from torch import nn
 from uqbench.bench.report import Record
 from uqbench.bench.timing import peak_bytes, side_by_side, trainable_state_bytes
 from uqbench.contracts import DataInfo
-from uqbench.methods.layers import MemberLinear
+from uqbench.methods.layers import wrapped_bytes
 
 CLASSES = 10
 TOPK_KEY = "method.rank"  # SVE's top-k option: only the k largest singular directions adapt
@@ -121,10 +121,6 @@ class PlainStepper(Stepper):
     """The same for a plain network returning logits (M·B, C) (torch-uncertainty's wrappers
     and the bare backbone + head): the loss is the members' mean cross-entropy."""
 
-    def __init__(self, net: nn.Module, inputs: Any, labels: torch.Tensor, members: int) -> None:
-        self.members = members
-        super().__init__(net, inputs, labels)
-
     def train_step(self) -> None:
         self.method.train()
         logits = self.method(self.inputs)
@@ -162,22 +158,6 @@ def _tu() -> Any:
     return deep_ensembles, mc_dropout
 
 
-def targeted_bytes(method: nn.Module) -> int:
-    """Bytes of every tensor in the method's wrapped (member) layers: frozen factors, kept
-    pretrained weights and the members' trained parameters."""
-    total = 0
-    for m in method.modules():
-        if isinstance(m, MemberLinear):
-            total += sum(t.numel() * t.element_size() for t in m.parameters())
-            total += sum(t.numel() * t.element_size() for t in m.buffers())
-    return total
-
-
-def _free(*objs: Any) -> None:
-    del objs
-    gc.collect()
-
-
 def time_rows(model: Model, members: int, batch: int, device: torch.device, repeats: int,
               anchors: bool) -> list[Record]:
     """Training-step and inference ratios, and memory, at M = ``members`` (the single model is
@@ -200,15 +180,14 @@ def time_rows(model: Model, members: int, batch: int, device: torch.device, repe
         text = isinstance(inputs, dict)
         ids = inputs["input_ids"] if text else inputs
         single = steppers["single"].method
-        steppers["plain"] = PlainStepper(plain_network(single, text), ids, labels, 1)
+        steppers["plain"] = PlainStepper(plain_network(single, text), ids, labels)
         steppers["tu_de"] = PlainStepper(deep_ensembles(plain_network(single, text),
-                                                        num_estimators=members), ids, labels,
-                                         members)
+                                                        num_estimators=members), ids, labels)
         mcd = copy.deepcopy(steppers["mcd"].method)
         tu_net = _Headed(mcd.encoder, nn.Sequential(mcd.mc_dropout, nn.Linear(
             mcd.head.weight.shape[-1], CLASSES)), text).to(device)
         steppers["tu_mcd"] = PlainStepper(mc_dropout(tu_net, num_estimators=members,
-                                                     on_batch=True), ids, labels, members)
+                                                     on_batch=True), ids, labels)
     train = side_by_side({k: s.train_step for k, s in steppers.items()
                           if k not in ("mcd", "tu_mcd")}, device, repeats=repeats, warmup=1)
     infer = side_by_side({k: s.infer for k, s in steppers.items() if k != "tu_de"},
@@ -260,13 +239,9 @@ def time_rows(model: Model, members: int, batch: int, device: torch.device, repe
         rows.append(Record(f"SVE {tag} training-step peak memory / Deep Ensemble's{at}", None, "×",
                            dev, section=msection, note="the memory tracker could not follow "
                                                        "a step"))
-    _free(steppers)
+    del steppers
+    gc.collect()  # the next M builds its models only after these are gone
     return rows
-
-
-def model_bytes(method: nn.Module) -> int:
-    """Bytes of all the method's parameters and buffers: the model a device must hold."""
-    return sum(t.numel() * t.element_size() for t in (*method.parameters(), *method.buffers()))
 
 
 def layer_memory(model: Model, members: int, device: torch.device, topk: list[int],
@@ -276,13 +251,13 @@ def layer_memory(model: Model, members: int, device: torch.device, topk: list[in
     each method's default targets (LoRA-Ensemble: attention only, P1's baseline)."""
     dev = "counted, no device" if device.type == "meta" else str(device)
     m = f"method.members={members}"
-    lora_all = targeted_bytes(build(model, "lora_ensemble_all", device, m))
-    lora = model_bytes(build(model, "lora_ensemble", device, m))
+    lora_all = wrapped_bytes(build(model, "lora_ensemble_all", device, m))
+    lora = build(model, "lora_ensemble", device, m).param_counts()["memory_bytes"]
     rows = []
     for k in [None, *topk]:
         name = "SVE" if k is None else f"SVE top-{k}"
         sve = build(model, "sve", device, m, *(() if k is None else (f"{TOPK_KEY}={k}",)))
-        layers, whole = targeted_bytes(sve), model_bytes(sve)
+        layers, whole = wrapped_bytes(sve), sve.param_counts()["memory_bytes"]
         where = f"({model.label}, M = {members})"
         rows += [
             Record(f"{name} memory of the targeted layers / LoRA-Ensemble's on the same layers "

@@ -114,6 +114,14 @@ class MemberLinear(nn.Module):
         return f"members={self.members}, in={self.in_features}, out={self.out_features}"
 
 
+def wrapped_bytes(model: nn.Module) -> int:
+    """Bytes of everything ``model``'s member-aware wrappers hold, at the dtypes used: kept
+    pretrained weights, derived frozen tensors and the members' parameters (counted from the
+    shapes, so a model built on the meta device is counted too)."""
+    return sum(t.numel() * t.element_size() for m in model.modules()
+               if isinstance(m, MemberLinear) for t in (*m.parameters(), *m.buffers()))
+
+
 # --- targets and replacement ------------------------------------------------------------------
 
 def matches(name: str, suffix: str) -> bool:

@@ -40,7 +40,13 @@ import torch
 from torch import nn
 
 from uqbench.contracts import DataInfo
-from uqbench.methods.dropout import MASKS, fast_dropouts, quantised_rate, repeat_at_first_dropout
+from uqbench.methods.dropout import (
+    MASKS,
+    FastDropout,
+    fast_dropouts,
+    quantised_rate,
+    repeat_at_first_dropout,
+)
 from uqbench.methods.ensemble import EnsembleMethod, Inputs, positive_int
 from uqbench.methods.layers import matches, repeat_members, split_members
 
@@ -79,10 +85,10 @@ class MCDropout(EnsembleMethod):
                 self.encoder.get_submodule(n).p = self.p
         self.backbone_dropouts = len(dropouts)
         self.masks = masks
-        self.mc_dropout = nn.Dropout(0.1 if self.p is None else self.p)
+        head_dropout = FastDropout if masks == "fast" else nn.Dropout
+        self.mc_dropout = head_dropout(0.1 if self.p is None else self.p)
         if masks == "fast":
             fast_dropouts(self.encoder, dropouts)
-            fast_dropouts(self, ["mc_dropout"])
         self.train_declared()
         self.train()
 

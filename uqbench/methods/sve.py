@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from uqbench.contracts import Batch, DataInfo
-from uqbench.methods.ensemble import EnsembleMethod, check_sigma, nbytes
+from uqbench.methods.ensemble import EnsembleMethod, check_sigma
 from uqbench.methods.layers import (
     MemberLinear,
     check_qkv,
@@ -45,6 +45,7 @@ from uqbench.methods.layers import (
     replace_linears,
     resolve_targets,
     split_members,
+    wrapped_bytes,
 )
 
 log = logging.getLogger("uqbench")
@@ -406,5 +407,4 @@ class SVE(EnsembleMethod):
         """The ensemble's counts (:meth:`EnsembleMethod.param_counts`) and targeted_bytes:
         everything the wrapped layers hold (kept pretrained weights, frozen factors, the
         members' singular values and biases) at the dtypes used."""
-        held = (t for m in self.layers() for t in (*m.parameters(), *m.buffers()))
-        return super().param_counts() | {"targeted_bytes": nbytes(held)}
+        return super().param_counts() | {"targeted_bytes": wrapped_bytes(self.encoder)}
