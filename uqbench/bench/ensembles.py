@@ -1,14 +1,14 @@
 """Ensembles over a pretrained backbone, side by side (`make bench`).
 
-On ViT-S/16 at 224 px (random weights: speed does not depend on them) and BERT-base at length
-128, batch 8, float32, uqbench's methods are built from their configs exactly as a run builds
-them, then timed together: one training step (forward, backward, AdamW step) and one inference
-call (no grad) per method. Figures are ratios: SVE / Deep Ensemble, Deep Ensemble / single,
-LoRA-Ensemble / single, MC-Dropout (T passes) / single, with torch-uncertainty's Deep-Ensemble
-and MC-Dropout wrappers on the same network as anchors. Memory: the peak of a training step,
-the trainable state (parameters + gradients + optimiser state) and the memory of the targeted
-layers (SVE, its top-k form and LoRA-Ensemble), the last also for LLaMA-2-7B's shapes, counted
-on the meta device.
+On ViT-S/16 at 224 px (random weights: speed does not depend on them; batch 8 at M = 4, M·batch
+kept for larger M) and BERT-base at length 128 (batch 4), float32, uqbench's methods are built
+from their configs exactly as a run builds them, then timed together: one training step
+(forward, backward, AdamW step) and one inference call (no grad) per method. Figures are
+ratios: SVE / Deep Ensemble, Deep Ensemble / single, LoRA-Ensemble / single, MC-Dropout
+(T passes) / single, with torch-uncertainty's Deep-Ensemble and MC-Dropout wrappers on the same
+network as anchors. Memory: the peak of a training step, the trainable state (parameters +
+gradients + optimiser state) and the memory of the targeted layers (SVE, its top-k form and
+LoRA-Ensemble), the last also for LLaMA-2-7B's shapes, counted on the meta device.
 """
 
 from __future__ import annotations
