@@ -11,7 +11,7 @@ export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
 .DEFAULT_GOAL := help
-.PHONY: help setup demo test test-slow tables p1-tables lint bench clean-runs data
+.PHONY: help setup demo test test-slow tables p1-tables lint bench clean-runs data latex
 
 help:  ## Show this help
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -59,6 +59,14 @@ bench: $(STAMP)  ## Speed and memory beside the anchors (fastbnns, torch-uncerta
 data: $(STAMP)  ## Fetch datasets: make data DATASETS="cifar100 sst2" (none given: show what is in the data root)
 	@if [ -z "$(DATASETS)" ]; then $(BIN)/uqbench-data list; \
 	else HF_HUB_OFFLINE=0 HF_DATASETS_OFFLINE=0 $(BIN)/uqbench-data download $(DATASETS); fi
+
+# pdflatex for tests/test_tables_latex.py, which compiles every table's .tex (and skips without it)
+LATEX_PACKAGES := texlive-latex-base texlive-latex-recommended
+
+latex:  ## Install a LaTeX engine for the LaTeX test (Debian, as root)
+	@if command -v pdflatex >/dev/null; then echo "pdflatex: $$(command -v pdflatex)"; \
+	else apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+		$(LATEX_PACKAGES); fi
 
 lint: $(STAMP)  ## Lint with ruff
 	$(BIN)/ruff check uqbench tests
