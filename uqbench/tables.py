@@ -14,7 +14,8 @@ row keys, each cell the mean ± std over seeds. The spec::
       rows:    [{key: settings.backbone.width, title: width, fmt: ".0f"}, …]  # dotted paths
       columns: [{key: metrics.test/nll, title: test NLL, fmt: ".3f", scale: 1}, …]
       paper:   [{row: {method: sve}, values: {ACC: 95.4}}, …]        # optional reference numbers
-      figure:  {x: params.trainable, y: [metrics.test/nll], hue: settings.method.variance}
+      figure:  {x: params.trainable, y: [metrics.test/nll], hue: settings.method.variance,
+                facet: settings.backbone.depth, xscale: log}   # hue, facet: a key or a list
       figures: {severity: {series: [key, …], labels: [0, …], hue: method}}   # <exp>_severity.png
       claims:  [{claim: "…", kind: greater, key: metrics.test/nll, a: {…}, b: {…}}, …]
 
