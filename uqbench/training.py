@@ -7,7 +7,9 @@ fails before any data is read or any model is built.
 
 from __future__ import annotations
 
+import logging
 import math
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -32,8 +34,12 @@ DECAY_TARGETS = ("zero", "init")
 PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true")
 STRATEGIES = ("auto", "ddp", "fsdp")
 KEEP_CHECKPOINT = ("trainable", "full", "none")
+PROGRESS = ("auto", "bar", "lines", "none")
 # A gradient group: (parameter, member index into its dim 0, or None for the whole tensor).
 Group = list[tuple[torch.nn.Parameter, int | None]]
+
+
+console = logging.getLogger("uqbench")  # the CLI's log: the terminal (stdout) and the run's log
 
 
 class NonFiniteLossError(RuntimeError):
@@ -48,6 +54,32 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
         progress = (step - warmup) / max(1, total - warmup)
         return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return 1.0
+
+
+def progress_mode(progress: bool | str | None, tty: bool | None = None) -> str:
+    """How training reports its epochs: ``bar`` (a tqdm bar, for a terminal), ``lines`` (one
+    log line per epoch, for a log file, SLURM or CI, where a bar's carriage returns pile up) or
+    ``none``. ``auto`` is the bar when stderr (where the bar draws) is a terminal, else lines;
+    ``true`` means auto and ``false`` none, as before the modes existed. ``tty``: whether stderr
+    is a terminal (None: ask it)."""
+    if isinstance(progress, bool) or progress is None:
+        mode = "auto" if progress else "none"
+    else:
+        mode = str(progress)
+    if mode not in PROGRESS:
+        raise ValueError(f"trainer.progress '{progress}' is not one of {PROGRESS} (or true = "
+                         f"auto, false = none)")
+    if mode == "auto":
+        tty = sys.stderr.isatty() if tty is None else tty
+        return "bar" if tty else "lines"
+    return mode
+
+
+def epoch_line(epoch: int, epochs: int, metrics: dict[str, float], seconds: float) -> str:
+    """One epoch as one line: ``epoch 3/10 train/loss 0.1234 val/nll 0.567 elapsed 12.3s``
+    (the validation metrics where the epoch evaluated them)."""
+    shown = [f"{k} {v:.4g}" for k, v in metrics.items() if k.startswith(("train/", "val/"))]
+    return f"epoch {epoch}/{epochs} " + " ".join(shown) + f" elapsed {seconds:.1f}s"
 
 
 def clip_groups(method: Method, params: list[torch.nn.Parameter]) -> list[Group]:
@@ -127,7 +159,8 @@ class Trainer:
     own (:func:`clip_groups`): one member's large gradient never shrinks another's step.
     warmup_epochs / warmup_steps: linear warm-up, in epochs or (when set) optimiser steps.
     schedule: constant | cosine after the warm-up. select: last | best (lowest validation loss,
-    trainable parameters only). val_every: epochs between validation passes. progress: a bar.
+    trainable parameters only). val_every: epochs between validation passes. progress: auto (a bar
+    on a terminal, one line per epoch otherwise) | bar | lines | none (:func:`progress_mode`).
     decay_to: zero or None (the optimiser's own weight decay, toward 0) | init (decoupled weight
     decay toward the values training started from — for SVE the pretrained spectrum, for full
     fine-tuning the pretrained weights: p ← p − lr·wd·(p − p₀) after each step, with the
@@ -138,7 +171,7 @@ class Trainer:
                  batch_size: int | None = None, grad_clip: float | None = None,
                  warmup_epochs: int = 0, warmup_steps: int | None = None,
                  schedule: str = "constant",
-                 select: str = "last", val_every: int = 10, progress: bool = True,
+                 select: str = "last", val_every: int = 10, progress: bool | str = "auto",
                  decay_to: str | None = None, precision: str | int = "32",
                  strategy: str = "auto", devices: int = 1, num_nodes: int = 1,
                  accumulate: int = 1, activation_checkpointing: bool = False,
@@ -167,7 +200,8 @@ class Trainer:
         self.warmup_epochs = int(warmup_epochs)
         self.warmup_steps = None if warmup_steps is None else int(warmup_steps)
         self.schedule, self.select = schedule, select
-        self.val_every, self.progress = int(val_every), bool(progress)
+        progress_mode(progress, tty=False)  # refuses an unknown mode when the trainer is built
+        self.val_every, self.progress = int(val_every), progress
         self.decay_to = decay_to
         precision = str(precision)
         if precision not in PRECISIONS:
@@ -286,9 +320,9 @@ class Trainer:
                     "running": (running, n), "best": best,
                     "train_s": elapsed + time.perf_counter() - start}
 
+        shown = progress_mode(self.progress) if fabric.global_rank == 0 else "none"
         bar = tqdm(range(first_epoch, epochs + 1), desc=f"train {method.name}",
-                   disable=not self.progress or fabric.global_rank != 0, dynamic_ncols=True,
-                   leave=False)
+                   disable=shown != "bar", dynamic_ncols=True, leave=False)
         for epoch in bar:
             model.train()
             if epoch_rng is not None:      # a resumed epoch: its data order, then our place
@@ -331,6 +365,9 @@ class Trainer:
             if fabric.global_rank == 0:
                 logger.log_metrics(log, step=epoch)
             bar.set_postfix(loss=f"{log['train/loss']:.4g}")
+            if shown == "lines":
+                console.info("%s", epoch_line(epoch, epochs, log,
+                                              elapsed + time.perf_counter() - start))
             if save is not None:  # the last one too: a kill while scoring retrains nothing
                 save(state(epoch, len(sizes), True))
             if stop is not None and epoch < epochs and _agreed(fabric, stop()):
