@@ -1,7 +1,8 @@
 """Hugging Face text encoders (BERT, LLaMA) yielding one pooled feature per sequence.
 
-Weights come from a local directory (``path``, a ``save_pretrained`` folder) or the model is
-built from its config with random weights (``pretrained: false``); nothing is downloaded.
+Weights come from a local directory (``path``: a Hub download, or a ``save_pretrained``
+folder) or the model is built from its config with random weights (``pretrained: false``);
+nothing is downloaded.
 ``build()`` returns :class:`PooledEncoder`: a dict of tensors (input_ids, attention_mask,
 token_type_ids) of shape (B, T) → features (B, hidden_size).
 """
@@ -26,6 +27,29 @@ from uqbench.backbones.base import (
 )
 
 POOLINGS = ("cls", "pooler", "last", "mean")
+# What a model folder needs: config and generation config, tokenizer files (tokenizer.json,
+# vocab.txt, SentencePiece's tokenizer.model) and the safetensors weights (with their index);
+# not the same weights again in the other formats a Hub repository may also hold (.bin, .h5 …)
+DOWNLOAD_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt")
+
+
+def download_command(hub_id: str | None, folder: Path | str) -> str:
+    """The Hub CLI command that fills ``folder`` with what :class:`HFEncoder` loads."""
+    import shlex
+
+    include = " ".join(f"--include {shlex.quote(p)}" for p in DOWNLOAD_PATTERNS)
+    return (f"HF_HUB_OFFLINE=0 hf download {shlex.quote(hub_id) if hub_id else '<hub id>'} "
+            f"--local-dir {shlex.quote(str(folder))} {include}")
+
+
+def access_steps(hub_id: str | None) -> str:
+    """How to get access to a gated model (LLaMA-2: meta-llama's license) before downloading."""
+    page = f"https://huggingface.co/{hub_id}" if hub_id else "the model's page"
+    return (f"A gated model (its page asks you to accept a license first, as meta-llama's "
+            f"do) needs access once: sign in to a Hugging Face account and accept the license "
+            f"on {page} (access is granted after a review), create a token with read access "
+            f"at https://huggingface.co/settings/tokens, and run `hf auth login` (it asks for "
+            f"the token) before the download.")
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
 # Per model type, the dropout modules whose rate the attention kernel reads (applied only while
 # the attention module trains), for MC-Dropout. LLaMA has none: its rate is the config's float
@@ -140,18 +164,19 @@ class HFEncoder(Backbone):
         self.attention_dropouts = ATTENTION_DROPOUTS.get(model_type, ())
 
     def _check_path(self) -> Path:
-        auto = "AutoModelForCausalLM" if self.causal_lm else "AutoModel"  # causal: keep lm_head
+        """``path``, or an error naming where it looked and the command that fills it."""
         if self.path is None or not (self.path / "config.json").is_file():
+            folder = self.path or "<folder>"
+            looked = (f"{self.path} has no config.json" if self.path is not None
+                      else "backbone.path is not set")
             raise FileNotFoundError(
-                f"pretrained weights for backbone '{self.name}' not found at {self.path} "
-                f"(a folder with config.json and the weights). uqbench never downloads "
+                f"pretrained weights for backbone '{self.name}' not found: {looked} (a folder "
+                f"with config.json, the weights and the tokenizer). uqbench never downloads "
                 f"weights. On a machine with internet run\n"
-                f"  python -c \"from transformers import {auto}, AutoTokenizer; "
-                f"n = '{self.hub_id or '<hub id>'}'; "
-                f"{auto}.from_pretrained(n).save_pretrained('{self.path}'); "
-                f"AutoTokenizer.from_pretrained(n).save_pretrained('{self.path}')\"\n"
-                f"and copy the folder here (or set backbone.path=<folder>), or use random "
-                f"weights with backbone.pretrained=false.")
+                f"  {download_command(self.hub_id, folder)}\n"
+                f"(from another machine, copy {folder} to the same place here; or set "
+                f"backbone.path=<folder> or paths.checkpoints=<folder>), or use random weights "
+                f"with backbone.pretrained=false.\n{access_steps(self.hub_id)}")
         return self.path
 
     def hf_config(self):
@@ -171,10 +196,9 @@ class HFEncoder(Backbone):
             try:
                 model = auto.from_pretrained(path, config=config, dtype=self.dtype)
             except load_errors() as err:
-                source = self.hub_id or "its Hub id"
                 raise checkpoint_error(
-                    self.name, path, err, f"save it again from the Hub ({source}; the command "
-                    f"is in the error shown when the folder is missing), or set "
+                    self.name, path, err, f"download it again from the Hub "
+                    f"(`{download_command(self.hub_id, path)}`), or set "
                     f"backbone.path=<folder>") from err
         else:
             model = auto.from_config(config)

@@ -1,6 +1,7 @@
 """Vision transformers from timm (DINO, DINOv2 or a tiny one built from config).
 
-Pretrained weights are read only from a local file (``checkpoint``); nothing is downloaded.
+Pretrained weights are read only from a local file (``checkpoint``), or from the folder the
+Hub's ``hf download`` fills beside it; nothing is downloaded.
 ``build()`` returns the timm model with its classifier removed (``num_classes=0``), whose
 forward maps images (B, 3, H, W) to pooled features (B, embed_dim) (the [CLS] token after the
 final norm for the DINO/DINOv2 models).
@@ -25,6 +26,23 @@ from uqbench.backbones.base import (
 )
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "open_clip_pytorch_model.bin")
+WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
+
+
+def download_command(model: str, folder: Path | str) -> str:
+    """The Hub CLI command that puts timm model ``model``'s weights at
+    ``<folder>/model.safetensors``: timm publishes them as ``timm/<model>`` (its pretrained
+    config names the repository)."""
+    import shlex
+
+    import timm
+
+    try:
+        repo = timm.models.get_pretrained_cfg(model).hf_hub_id or f"timm/{model}"
+    except (AttributeError, RuntimeError, ValueError):  # a name timm has no weights for
+        repo = f"timm/{model}"
+    return (f"HF_HUB_OFFLINE=0 hf download {shlex.quote(repo)} model.safetensors "
+            f"--local-dir {shlex.quote(str(folder))}")
 
 
 class TimmViT(Backbone):
@@ -32,7 +50,10 @@ class TimmViT(Backbone):
 
     model: timm model name, e.g. ``vit_small_patch16_224.dino``.
     pretrained: load ``checkpoint`` (a .safetensors/.pth/.bin file, or a folder holding
-        model.safetensors or pytorch_model.bin, e.g. a Hub snapshot); false = random weights.
+        model.safetensors or pytorch_model.bin, e.g. a Hub snapshot; for a file
+        ``<dir>/<name>.safetensors`` that does not exist, the folder ``<dir>/<name>/`` that
+        ``hf download timm/<model> model.safetensors --local-dir <dir>/<name>`` fills is read
+        instead); false = random weights.
     model_kwargs: passed to ``timm.create_model`` (img_size, depth, embed_dim, drop rates …).
     fused_qkv: suffixes of the layers that compute q, k and v at once (outputs 3·d, in that
         order): timm's ``attn.qkv``. Methods may give q, k and v their own parameters there.
@@ -59,24 +80,38 @@ class TimmViT(Backbone):
         self.model_kwargs = dict(model_kwargs or {})
         self._shape_model: nn.Module | None = None
 
-    def checkpoint_file(self) -> Path:
-        """The local weight file, or a clear error saying how to get it."""
+    def download_folder(self) -> Path | None:
+        """The folder ``hf download`` fills for this backbone: ``checkpoint`` itself when it
+        names a folder, ``<dir>/<name>/`` beside a weight file ``<dir>/<name>.safetensors``."""
         path = self.checkpoint
-        if path is not None and path.is_dir():
-            for fname in WEIGHT_FILES:
-                if (path / fname).is_file():
-                    return path / fname
+        if path is None:
+            return None
+        return path.with_suffix("") if path.suffix in WEIGHT_SUFFIXES else path
+
+    def checkpoint_file(self) -> Path:
+        """The local weight file, or an error naming where it looked and the command that
+        fetches the weights into that place."""
+        path, folder = self.checkpoint, self.download_folder()
         if path is not None and path.is_file():
             return path
-        where = path if path is not None else "<backbone.checkpoint is not set>"
+        if folder is not None and folder.is_dir():
+            for fname in WEIGHT_FILES:
+                if (folder / fname).is_file():
+                    return folder / fname
+        if path is None:
+            looked = "nowhere: backbone.checkpoint is not set"
+            folder = Path("<folder>")
+        elif folder == path:
+            looked = f"in {path}/ ({', '.join(WEIGHT_FILES)})"
+        else:
+            looked = f"at {path} and in {folder}/ ({', '.join(WEIGHT_FILES)})"
         raise FileNotFoundError(
-            f"pretrained weights for backbone '{self.name}' (timm model {self.model}) not found "
-            f"at {where}. uqbench never downloads weights. On a machine with internet run\n"
-            f"  python -c \"import timm, safetensors.torch as st; m = timm.create_model("
-            f"'{self.model}', pretrained=True, num_classes=0); "
-            f"st.save_file(m.state_dict(), '{where}')\"\n"
-            f"and copy the file here (or set backbone.checkpoint=<file or Hub snapshot folder>, "
-            f"paths.checkpoints=<folder>), or use random weights with backbone.pretrained=false.")
+            f"pretrained weights for backbone '{self.name}' (timm model {self.model}) not found: "
+            f"looked {looked}. uqbench never downloads weights. On a machine with internet "
+            f"run\n  {download_command(self.model, folder)}\n"
+            f"(from another machine, copy {folder} to the same place here; or set "
+            f"paths.checkpoints=<folder> / UQBENCH_CHECKPOINTS), or use random weights with "
+            f"backbone.pretrained=false.")
 
     def build(self) -> nn.Module:
         import timm
