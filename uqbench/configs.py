@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 # Overrides that cannot change a run's result, or that its path already shows.
 BOOKKEEPING = {"seed", "run_name", "experiment", "experiment_name", "skip_existing",
                "overwrite", "save_predictions", "plot", "device", "torch_threads", "method",
-               "backbone", "dataset", "eval_run"}
+               "backbone", "dataset", "eval_run", "objective"}
 # The engine's layout (how many processes, micro-batches, checkpoints) lays the same
 # computation out on other hardware: a run resumed on another GPU count keeps its folder.
 ENGINE_LAYOUT = ("strategy", "devices", "num_nodes", "accumulate", "activation_checkpointing",

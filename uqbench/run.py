@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from uqbench import checkpoints, engine
+from uqbench import checkpoints, engine, objective
 from uqbench.configs import USER_ERRORS, build, check_types, check_value, options_where
 from uqbench.contracts import to_device
 from uqbench.engine import resolve_device
@@ -49,7 +49,7 @@ from uqbench.runfolder import (
     recover,
 )
 from uqbench.runfolder import reuse as reuse_folder
-from uqbench.training import Preempted
+from uqbench.training import NonFiniteLossError, Preempted
 
 log = logging.getLogger("uqbench")
 
@@ -73,6 +73,8 @@ def check_config(cfg: DictConfig) -> None:
     resolve_device(str(cfg.device))
     if cfg.get("job", "train") not in JOBS:
         raise ValueError(f"job '{cfg.job}' is not one of: {', '.join(JOBS)}")
+    if cfg.get("job", "train") == "train":
+        objective.check(cfg)  # the metric a sweeper reads, before any data or model
 
 
 def environment() -> dict[str, Any]:
@@ -303,6 +305,7 @@ def _train(fabric: Any, cfg: DictConfig, run_dir: Path, trainer: Any, header: di
     rank0 = fabric.global_rank == 0
 
     method, data, task, backbone = build_parts(cfg, device, trainer.activation_checkpointing)
+    objective.check_split(cfg.get("objective"), data, str(cfg.dataset.name))
     params = method.param_counts()  # whole tensors: before FSDP shards them
     model = fabric.setup_module(method)
     model.mark_forward_method("loss")
@@ -503,9 +506,21 @@ def _drop_log_only_folder(cfg: DictConfig) -> None:
 
 
 @hydra.main(config_path="pkg://uqbench.conf", config_name="config", version_base="1.3")
-def _hydra_main(cfg: DictConfig) -> None:
+def _hydra_main(cfg: DictConfig) -> float | None:
+    """One job; returns its validation objective (``objective``) for a sweeper that reads it."""
     try:
-        results = run(cfg)
+        try:
+            results = run(cfg)
+        except NonFiniteLossError as err:
+            direction = objective.sweeper_direction()
+            if direction is None:
+                raise
+            # a diverged trial is an outcome of tuning, not the end of the study: it reports
+            # the worst value (the sweeper cannot take NaN), and the study goes on
+            log.error("%s: %s", type(err).__name__, err)
+            return float("inf") if direction == "minimize" else float("-inf")
+        value = (objective.value(cfg.get("objective"), results)
+                 if cfg.get("job", "train") == "train" else None)
     except Preempted as stopped:  # SIGTERM / USR2: the checkpoint is written
         log.warning("%s", stopped)
         print(str(stopped), file=sys.stderr)
@@ -527,6 +542,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     summary = {k: round(v, 4) for k, v in results["metrics"].items()
                if k.split("/")[0] in ("test", "ood") and k.count("/") == 1}
     print(f"{results['run']}: " + ", ".join(f"{k}={v}" for k, v in summary.items()))
+    return value
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ PUBLISHED = ("config.yaml", "results.json", "predictions", "figure.png", "checkp
 # Keys of the resolved config that cannot change a result (where and how a run is kept/shown).
 BOOKKEEPING = ("paths", "skip_existing", "overwrite", "save_predictions", "plot", "device",
                "torch_threads", "logger", "run_dir", "run_subdir", "run_name", "hydra", "table",
-               "resume", "eval_run")
+               "resume", "eval_run", "objective")
 # The engine's layout: the same computation on other hardware (uqbench.configs.ENGINE_LAYOUT).
 ENGINE_LAYOUT = ("strategy", "devices", "num_nodes", "accumulate", "activation_checkpointing",
                  "checkpoint_every", "keep_checkpoint", "progress")

@@ -11,6 +11,18 @@ Predictions = dict[str, np.ndarray]  # per-example arrays, saved as predictions/
 
 class Task:
     name: str = "task"
+    # The metrics ``metrics(split, …)`` returns, by name, with the direction in which each is
+    # better: "minimize", "maximize", or None where neither is (a coverage aims at its level).
+    METRICS: dict[str, str | None] = {}
+
+    def metric_names(self, split: str) -> list[str]:
+        """Every key ``metrics(split, …)`` may return (some only on some data): e.g. the
+        validation objectives a sweep may optimise (``split="val"``)."""
+        return [f"{split}/{name}" for name in self.METRICS]
+
+    def direction(self, key: str) -> str | None:
+        """"minimize" | "maximize" | None: which way metric ``key`` (``val/ts/acc``) is better."""
+        return self.METRICS.get(key.rsplit("/", 1)[-1])
 
     def predict(self, method: torch.nn.Module, loader: DataLoader,
                 device: torch.device) -> Predictions:  # pragma: no cover - interface

@@ -24,6 +24,7 @@ class ClassificationTask(Task):
     """
 
     name = "classification"
+    METRICS = {"acc": "maximize", "nll": "minimize", "brier": "minimize", "ece": "minimize"}
 
     def __init__(self, ece_bins: int = 15, aggregation: str = "mean_probs") -> None:
         if int(ece_bins) < 1:
@@ -99,6 +100,10 @@ class ClassificationTask(Task):
         if calibration is not None:
             variants.append((f"{split}/ts", M.temper(member_probs, calibration["temperature"])))
         return variants
+
+    def metric_names(self, split: str) -> list[str]:
+        """The metrics as predicted, then those after temperature scaling (``<split>/ts/``)."""
+        return [*super().metric_names(split), *super().metric_names(f"{split}/ts")]
 
     def val_loss(self, preds: Predictions) -> float:
         """Validation NLL of the predictive distribution (model selection)."""

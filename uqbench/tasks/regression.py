@@ -15,6 +15,10 @@ from uqbench.tasks.base import Predictions, Task
 
 class RegressionTask(Task):
     name = "regression"
+    # the noise_std_* metrics only on data that knows its true noise (synthetic sets)
+    METRICS = {"nll": "minimize", "rmse": "minimize", "coverage_1sigma": None,
+               "coverage_2sigma": None, "mean_std": None, "noise_std_ratio": None,
+               "noise_std_error": "minimize"}
 
     @torch.no_grad()
     def predict(self, method: torch.nn.Module, loader: DataLoader,
