@@ -40,8 +40,8 @@ def check(cfg: DictConfig) -> None:
     if objective is None:
         return
     task = build(cfg.task)  # a small object: the metric names are its class's
-    valid = task.metric_names("val")
-    if objective not in valid:
+    valid = task.metric_names("val")  # none declared: checked only once the run has metrics
+    if valid and objective not in valid:
         raise ValueError(
             f"objective '{objective}' is not a validation metric of the {task.name} task "
             f"(dataset '{cfg.dataset.name}'); choose one of: {', '.join(valid)} "
