@@ -4,6 +4,7 @@ bf16-mixed on the CPU, job=eval from a checkpoint, and the errors of each."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -338,19 +339,21 @@ def test_auto_falling_back_to_the_cpu_says_so(tmp_path):
 
 
 def test_a_resumed_run_continues_its_wandb_run(tmp_path):
-    """Killed and resumed: both attempts log to one W&B run id; a fresh start gets a new one."""
+    """Killed and resumed, then trained again from the start: every attempt logs to the one
+    W&B run id derived from the run folder, so a sync updates one run."""
     overrides = [*BNN, "logger=wandb", "logger.mode=offline", "run_name=wb",
                  f"paths.runs_dir={tmp_path}"]
     env = {**os.environ, "UQBENCH_KILL_AT": "checkpoint:8"}
     subprocess.run([sys.executable, "-m", "uqbench.run", *overrides], env=env, cwd=ROOT,
                    capture_output=True, timeout=600)
     run_cli(*overrides)
-    wandb_dir = tmp_path / "wb" / "wandb"
+    wandb_dir = tmp_path / "default" / "wandb"  # the experiment's W&B folder
     ids = {p.name.rsplit("-", 1)[1] for p in wandb_dir.glob("offline-run-*")}
-    assert len(list(wandb_dir.glob("offline-run-*"))) == 2 and len(ids) == 1
-    assert ids == {(wandb_dir / "uqbench-run-id").read_text()}
-    run_cli(*overrides, "overwrite=true")  # trained again from the start: another W&B run
-    assert len({p.name.rsplit("-", 1)[1] for p in wandb_dir.glob("offline-run-*")}) == 2
+    assert len(list(wandb_dir.glob("offline-run-*"))) == 2
+    assert ids == {hashlib.sha1(b"wb").hexdigest()[:16]}  # the run folder's (run_name=wb)
+    run_cli(*overrides, "overwrite=true")  # trained again from the start: the same W&B run
+    assert len(list(wandb_dir.glob("offline-run-*"))) == 3
+    assert {p.name.rsplit("-", 1)[1] for p in wandb_dir.glob("offline-run-*")} == ids
 
 
 def test_an_elbo_summed_over_examples_accumulates_to_the_whole_batch(uninterrupted):

@@ -129,6 +129,24 @@ def ece(probs: torch.Tensor, y: torch.Tensor, bins: int = 15) -> torch.Tensor:
     return (acc_sum - conf_sum).abs().sum() / conf.numel()
 
 
+def reliability(probs: torch.Tensor, y: torch.Tensor, bins: int = 15
+                ) -> dict[str, torch.Tensor]:
+    """The reliability diagram's bins, as :func:`ece` forms them: ``count`` (bins,), and in
+    each bin the mean top-label ``confidence`` and the ``accuracy`` (NaN where a bin is
+    empty). ECE = Σ_k (count_k / N) · |accuracy_k − confidence_k|."""
+    if bins < 1:
+        raise ValueError(f"reliability bins must be >= 1, got {bins}")
+    conf, pred = probs.double().max(-1)
+    correct = (pred == y).double()
+    inner = torch.linspace(0, 1, bins + 1, dtype=torch.float64, device=conf.device)[1:-1]
+    idx = torch.searchsorted(inner, conf, side="left")  # (lo, hi], as in ece
+    zeros = torch.zeros(bins, dtype=torch.float64, device=conf.device)
+    count = zeros.index_add(0, idx, torch.ones_like(conf))
+    return {"count": count,
+            "confidence": zeros.index_add(0, idx, conf) / count,
+            "accuracy": zeros.index_add(0, idx, correct) / count}
+
+
 def entropy(probs: torch.Tensor) -> torch.Tensor:
     """Shannon entropy (nats) over the last axis; 0·log 0 = 0."""
     p = probs.double()

@@ -35,9 +35,9 @@ from uqbench.configs import USER_ERRORS, build, check_types, check_value, option
 from uqbench.contracts import to_device
 from uqbench.engine import resolve_device
 from uqbench.evaluation import evaluate, forward_cost, predict_splits, score
-from uqbench.loggers import NullLogger
+from uqbench.loggers import Logger, NullLogger, run_labels, summary_of
 from uqbench.methods.base import Method
-from uqbench.results import group_settings, run_header, write_stage
+from uqbench.results import group_choices, group_settings, run_header, write_stage
 from uqbench.runfolder import (
     ConfigMismatchError,
     RunExistsError,
@@ -75,6 +75,8 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(f"job '{cfg.job}' is not one of: {', '.join(JOBS)}")
     if cfg.get("job", "train") == "train":
         objective.check(cfg)  # the metric a sweeper reads, before any data or model
+    if isinstance(cfg.get("logger"), DictConfig):
+        build(cfg.logger)  # a tracker's settings are checked as it is built (cheap, offline)
 
 
 def environment() -> dict[str, Any]:
@@ -147,25 +149,45 @@ def reuse(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
 
 
 def publish_run(cfg: DictConfig, run_dir: Path, config: dict, results: dict,
-                predictions: dict, figure: Callable[[Path], Path | None] | None = None,
-                logger: Any = None, checkpoint: dict | None = None) -> None:
-    """Stage every file of the run, hand the summary to the logger, swap the folder in."""
+                predictions: dict, draw: Callable[[Path], list[Path]] | None = None,
+                logger: Logger | None = None, checkpoint: dict | None = None) -> None:
+    """Stage every file of the run (``draw`` puts the figures into the staging folder), swap
+    the folder in, then hand the summary, figures and predictions to the logger: the results
+    are on disk before any tracker is waited for."""
     stage = new_stage(run_dir)
     try:
         write_stage(stage, config, results, predictions if cfg.save_predictions else {})
         if checkpoint is not None:
             checkpoints.save(stage / checkpoints.FINAL, checkpoint)
-        image = figure(stage / "figure.png") if figure is not None else None
-        if logger is not None:
-            logger.log_summary(results["metrics"])
-            if image is not None:
-                logger.log_image("figure", image)
-                # the tracker copied the image; the published one lives in the run folder
-            logger.finish()
+        images = [p.relative_to(stage) for p in draw(stage)] if draw is not None else []
         publish(stage, run_dir)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     log.info("wrote %s", run_dir / "results.json")
+    if logger is not None:
+        track_results(logger, results, run_dir, images)
+
+
+def track_results(logger: Logger, results: dict, run_dir: Path, images: list[Path]) -> None:
+    """The logger gets what a table reads (:func:`uqbench.loggers.summary_of`), the run's
+    figures and its predictions folder, and closes the run: failed if a metric is NaN."""
+    summary = summary_of(results)
+    bad = sorted(k for k, v in (results.get("metrics") or {}).items()
+                 if isinstance(v, float) and not np.isfinite(v))
+    if bad:
+        log.warning("non-finite metrics (%s): the tracker marks this run failed",
+                    ", ".join(bad[:5]) + (" …" if len(bad) > 5 else ""))
+    logger.log_summary(summary)
+    for image in images:
+        logger.log_image(image.with_suffix("").as_posix(), run_dir / image)
+    logger.log_files(f"predictions-{Path(str(results.get('run', 'run'))).as_posix()}",
+                     "predictions", run_dir / "predictions")
+    logger.finish(failed=bool(bad))
+
+
+def _labels(cfg: DictConfig, config: dict, job: str, folder: str | None = None) -> Any:
+    return run_labels(config, group_choices(cfg), job, folder or str(cfg.run_subdir),
+                      setting=str(cfg.run_subdir))
 
 
 def _run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
@@ -191,7 +213,12 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         seed_everything(int(cfg.seed))
         results = {**run_header(cfg), "job": job, **params_job(cfg),
                    "table": config.get("table")}
-        publish_run(cfg, run_dir, config, results, {})
+        logger = build(cfg.logger)
+        logger.start(run_dir, _labels(cfg, config, job), config)
+        try:
+            publish_run(cfg, run_dir, config, results, {}, logger=logger)
+        finally:
+            logger.finish(failed=True)  # a no-op after track_results closed it
         return results
     resume = resume_point(cfg, run_dir, config)
     fabric = engine.fabric(device, trainer)  # after the reuse: a skipped run never loads it
@@ -312,7 +339,7 @@ def _train(fabric: Any, cfg: DictConfig, run_dir: Path, trainer: Any, header: di
 
     config = OmegaConf.to_container(cfg, resolve=True)
     logger = build(cfg.logger) if rank0 else NullLogger()
-    logger.start(run_dir, name=cfg.run_subdir, config=config, resume=resume is not None)
+    logger.start(run_dir, _labels(cfg, config, "train"), config, resume=resume is not None)
     resume_state = checkpoints.load(resume) if resume is not None else None
 
     def save(state: dict[str, Any]) -> None:  # every process gathers (FSDP), rank 0 writes
@@ -327,6 +354,7 @@ def _train(fabric: Any, cfg: DictConfig, run_dir: Path, trainer: Any, header: di
                                     stop=stop)
             except Preempted as preempted:
                 log.warning("%s", preempted)
+                logger.finish(failed=True)  # cut short; the resumed job continues its record
                 return preempted if rank0 else None
         del resume_state
         start = time.perf_counter()
@@ -366,17 +394,23 @@ def _train(fabric: Any, cfg: DictConfig, run_dir: Path, trainer: Any, header: di
             "table": config.get("table"),
         }
         title = f"{cfg.run_subdir}  test NLL {metrics.get('test/nll', float('nan')):.3f}"
-        figure = ((lambda path: task.plot(path, method, data, device, title=title))
-                  if cfg.plot and hasattr(task, "plot") else None)
+
+        def draw(folder: Path) -> list[Path]:
+            """figure.png where the dataset can be drawn, the task's diagnostics in figures/."""
+            drawn = [task.plot(folder / "figure.png", method, data, device, title=title)
+                     ] if hasattr(task, "plot") else []
+            drawn += task.figures(predictions, folder / "figures", data.ood_splits)
+            return [p for p in drawn if p is not None]
         final = None
         if keep:
             final = {"trainable": trained, "config": config, "method": cfg.method.name}
             if trainer.keep_checkpoint == "full" and (run_dir / checkpoints.RESUME).exists():
                 final["resume"] = checkpoints.load(run_dir / checkpoints.RESUME)
-        publish_run(cfg, run_dir, config, results, predictions, figure, logger, final)
+        publish_run(cfg, run_dir, config, results, predictions, draw if cfg.plot else None,
+                    logger, final)
         shutil.rmtree(run_dir / Path(checkpoints.RESUME).parent, ignore_errors=True)
     finally:
-        logger.finish()  # a second finish is a no-op; a failed run still closes its tracker
+        logger.finish(failed=True)  # a no-op after a published run closed it: this one failed
     return results
 
 
@@ -453,6 +487,12 @@ def eval_job(cfg: DictConfig) -> dict[str, Any]:
         finally:
             shutil.rmtree(stage, ignore_errors=True)
     log.info("wrote %s", out / "results.json")
+    logger = build(cfg.logger)
+    choices = {g: str(results[g]) for g in ("method", "backbone", "dataset")}
+    labels = run_labels(OmegaConf.to_container(run_cfg, resolve=True), choices, "eval",
+                        f"{run_cfg.run_subdir}/eval/{out.name}", setting=str(run_cfg.run_subdir))
+    logger.start(out, labels, OmegaConf.to_container(run_cfg, resolve=True))
+    track_results(logger, results, out, [])
     return results
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
@@ -50,3 +52,8 @@ class Task:
     def val_loss(self, preds: Predictions) -> float:  # pragma: no cover - interface
         """Scalar for model selection on the validation split (lower is better)."""
         raise NotImplementedError
+
+    def figures(self, predictions: dict[str, Predictions], folder: Path,
+                ood_splits: tuple[str, ...] | list[str] = ()) -> list[Path]:
+        """Diagnostic figures of the predictions, drawn into ``folder`` (none by default)."""
+        return []

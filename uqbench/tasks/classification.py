@@ -7,6 +7,8 @@ recomputed from ``predictions/<split>.npz``) and computes the metrics defined in
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
@@ -108,3 +110,64 @@ class ClassificationTask(Task):
     def val_loss(self, preds: Predictions) -> float:
         """Validation NLL of the predictive distribution (model selection)."""
         return self.metrics("val", preds)["val/nll"]
+
+    def figures(self, predictions: dict[str, Predictions], folder: Path,
+                ood_splits: tuple[str, ...] | list[str] = ()) -> list[Path]:
+        """``reliability.png`` (accuracy against confidence per ECE bin, on the test split)
+        and, with OOD splits, ``ood_scores.png`` (each OOD score's histogram on the test split
+        against each OOD split). The files written; none without a test split."""
+        if "test" not in predictions:
+            return []
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        folder.mkdir(parents=True, exist_ok=True)
+        member_probs, y = self._tensors(predictions["test"])
+        probs = M.aggregate(member_probs, self.aggregation)
+        bins = M.reliability(probs, y, self.ece_bins)
+        ece = float(M.ece(probs, y, self.ece_bins))
+        edges = np.linspace(0, 1, self.ece_bins + 1)
+        fig, ax = plt.subplots(figsize=(4.2, 4.2))
+        ax.bar(edges[:-1], np.nan_to_num(bins["accuracy"].numpy()), width=1 / self.ece_bins,
+               align="edge", edgecolor="k", lw=0.5, color="tab:blue", label="accuracy")
+        ax.plot([0, 1], [0, 1], "k--", lw=1, label="perfect calibration")
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("confidence (top label)")
+        ax.set_ylabel("accuracy")
+        ax.set_title(f"test: ECE {100 * ece:.2f} % ({self.ece_bins} bins, "
+                     f"N = {len(y)})", fontsize=9)
+        ax.legend(fontsize=8, loc="upper left")
+        written = [self._save(fig, folder / "reliability.png")]
+        ood = [s for s in ood_splits if s in predictions]
+        if ood:
+            id_scores = M.ood_scores(member_probs, self.aggregation)
+            fig, axes = plt.subplots(1, len(M.OOD_SCORES), figsize=(4 * len(M.OOD_SCORES), 3.4),
+                                     squeeze=False)
+            for ax, score in zip(axes[0], M.OOD_SCORES, strict=True):
+                ax.hist(id_scores[score].numpy(), bins=30, alpha=0.55, density=True,
+                        label="test (in-distribution)")
+                aurocs = []
+                for split in ood:
+                    scores = M.ood_scores(self._tensors(predictions[split])[0],
+                                          self.aggregation)[score]
+                    ax.hist(scores.numpy(), bins=30, alpha=0.55, density=True, label=split)
+                    auroc = M.ood_detection(id_scores[score], scores)["auroc"]
+                    aurocs.append(f"{split} {100 * auroc:.1f}")
+                ax.set_title(f"AUROC: {', '.join(aurocs)}", fontsize=9)
+                ax.set_xlabel(f"{score} (higher = more OOD)")
+                ax.legend(fontsize=7)
+            axes[0][0].set_ylabel("density")
+            written.append(self._save(fig, folder / "ood_scores.png"))
+        return written
+
+    @staticmethod
+    def _save(fig: object, path: Path) -> Path:
+        import matplotlib.pyplot as plt
+
+        fig.tight_layout()
+        fig.savefig(path, dpi=100, metadata={"Software": None})
+        plt.close(fig)
+        return path
