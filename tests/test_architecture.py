@@ -76,9 +76,11 @@ def test_leaf_modules_import_nothing_of_the_project(layer):
     assert GRAPH[f"uqbench.{layer}"] == set()
 
 
-def test_tables_import_only_the_claims():
-    # tables read results files of any version and any user: they lean on nothing else of ours
-    assert GRAPH["uqbench.tables"] <= {"uqbench.claims"}
+def test_tables_import_only_the_claims_and_the_tracker():
+    # tables read results files of any version and any user: they lean on nothing else of
+    # ours but the claims they test and the tracker they can publish to (--wandb)
+    assert GRAPH["uqbench.tables"] <= {"uqbench.claims", "uqbench.loggers"}
+    assert GRAPH["uqbench.loggers"] == set()
 
 
 def test_data_never_imports_methods_or_backbones():

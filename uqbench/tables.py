@@ -69,6 +69,7 @@ import shlex
 import sys
 import unicodedata
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -611,10 +612,12 @@ def command_file(exp: str, runs_dir: Path, out_dir: Path, runs: list[Run],
             + "".join(f"#   {p}\n" for p in paths))
 
 
-def write_tables(runs_dir: Path, out_dir: Path, only: str | list[str] | None = None
-                 ) -> dict[str, Path]:
+def write_tables(runs_dir: Path, out_dir: Path, only: str | list[str] | None = None,
+                 publish: Callable[..., None] | None = None) -> dict[str, Path]:
     """Write every experiment's table (or those named in ``only``, each of which must have
-    valid results); return {experiment: markdown path}. The runs folder is read once."""
+    valid results); return {experiment: markdown path}. The runs folder is read once.
+    ``publish(exp, frames, figures, command)``, if given, gets each experiment's tables
+    ({"table": as shown, "numbers": means and stds}), figure paths and rebuild command."""
     by_exp = tabled_experiments(runs_dir)
     if only is not None:
         wanted = [only] if isinstance(only, str) else list(only)
@@ -651,8 +654,11 @@ def write_tables(runs_dir: Path, out_dir: Path, only: str | list[str] | None = N
         else:  # a claims file left from an older spec would pass for this one's
             for stale in out_dir.glob(f"{exp}_claims.*"):
                 stale.unlink()
-        (out_dir / f"{exp}.command").write_text(command_file(exp, runs_dir, out_dir, runs,
-                                                             files))
+        command = command_file(exp, runs_dir, out_dir, runs, files)
+        (out_dir / f"{exp}.command").write_text(command)
+        if publish is not None:
+            publish(exp, {"table": shown, "numbers": numeric},
+                    [out_dir / f for f in files if f.endswith(".png")], command)
         written[exp] = out_dir / f"{exp}.md"
     return written
 
@@ -667,11 +673,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("tables"), help="output folder (tables/)")
     parser.add_argument("--experiment", default=None, help="only this experiment")
     parser.add_argument("--quiet", action="store_true", help="do not print the tables")
+    parser.add_argument("--wandb", action="store_true",
+                        help="also log each table and its figures to W&B, one run per "
+                             "experiment (files under <runs>/<experiment>/wandb)")
+    parser.add_argument("--wandb-project", default="uqbench", help="W&B project (uqbench)")
+    parser.add_argument("--wandb-entity", default=None, help="W&B user or team")
+    parser.add_argument("--wandb-mode", default=os.environ.get("WANDB_MODE", "offline"),
+                        help="online | offline | disabled ($WANDB_MODE, else offline)")
     args = parser.parse_args(argv)
     if not args.runs.is_dir():
         raise SystemExit(f"error: runs folder {args.runs} does not exist; run an experiment "
                          f"first (e.g. `make demo`) or pass --runs")
-    written = write_tables(args.runs, args.out, args.experiment)
+    publish = _wandb_publisher(args) if args.wandb else None
+    written = write_tables(args.runs, args.out, args.experiment, publish)
     if not written:
         print(f"no valid results with a table spec under {args.runs}", file=sys.stderr)
     for exp, path in written.items():
@@ -682,6 +696,29 @@ def main(argv: list[str] | None = None) -> None:
                 print(claims.read_text())
         extras = [p.name for p in sorted(path.parent.glob(f"{exp}.*")) if p != path]
         print(f"→ {path} (+ {', '.join(extras)})\n")
+
+
+def _wandb_publisher(args: argparse.Namespace) -> Callable[..., None]:
+    """``publish`` for write_tables: each experiment's tables as one W&B ``tables`` run."""
+    from uqbench.loggers import WandbLogger, log_experiment_table
+
+    def make() -> WandbLogger:
+        try:
+            return WandbLogger(project=args.wandb_project, entity=args.wandb_entity,
+                               mode=args.wandb_mode)
+        except ValueError as err:  # the same checks as logger=wandb, with the flags' names
+            message = str(err).replace("logger.mode", "--wandb-mode").replace(
+                "logger.project", "--wandb-project").replace("logger.entity", "--wandb-entity")
+            raise SystemExit(f"error: {message}") from None
+
+    make()  # bad settings fail before any table is built
+
+    def publish(exp: str, frames: dict[str, pd.DataFrame], figures: list[Path],
+                command: str) -> None:
+        log_experiment_table(make(), args.runs / exp, exp, frames, figures, command)
+        print(f"W&B: {exp}'s tables → {args.runs / exp / 'wandb'}", file=sys.stderr)
+
+    return publish
 
 
 if __name__ == "__main__":
