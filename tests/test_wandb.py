@@ -25,7 +25,8 @@ REGRESSION = ["trainer.epochs=3", "trainer.progress=false", "trainer.val_every=1
 CLASSIFICATION = ["backbone=tiny_vit", "dataset=fake_images", "method=sve", "trainer=p1",
                   "trainer.epochs=2", "trainer.warmup_epochs=0", "trainer.progress=false",
                   "logger=wandb", "logger.mode=offline", "logger.log_predictions=true",
-                  "device=cpu", "torch_threads=1", "run_name=cls/seed0"]
+                  "device=cpu", "torch_threads=1", "run_name=cls/seed0",
+                  "experiment_name=clsexp"]
 
 
 def _offline_runs(folder: Path) -> list[Path]:
@@ -117,7 +118,7 @@ def test_classification_run_logs_diagrams_and_predictions(tmp_path):
     run_dir = tmp_path / "cls" / "seed0"
     assert (run_dir / "figures" / "reliability.png").stat().st_size > 0
     assert (run_dir / "figures" / "ood_scores.png").stat().st_size > 0
-    (offline,) = _offline_runs(tmp_path / "default" / "wandb")
+    (offline,) = _offline_runs(tmp_path / "clsexp" / "wandb")
     state = _inspect(offline, summary=True)
     assert state["summary"]["figures/reliability"]["_type"] == "image-file"
     assert state["summary"]["figures/ood_scores"]["_type"] == "image-file"
@@ -127,6 +128,15 @@ def test_classification_run_logs_diagrams_and_predictions(tmp_path):
     assert [a["type"] for a in artifacts] == ["predictions"]
     names = {e["path"] for e in artifacts[0]["manifest"]["contents"]}
     assert names == {p.name for p in (run_dir / "predictions").iterdir()}
+    # scored again (job=eval): a run of job type eval in the same group and W&B folder
+    run_cli("job=eval", f"eval_run={run_dir}", "logger=wandb", "logger.mode=offline",
+            f"paths.runs_dir={tmp_path}", "device=cpu")
+    scored = json.loads((run_dir / "eval" / "fake_images" / "results.json").read_text())
+    (evaluated,) = set(_offline_runs(tmp_path / "clsexp" / "wandb")) - {offline}
+    (record,) = [r["run"] for r in _inspect(evaluated, summary=False) if r.get("type") == "run"]
+    assert (record["job_type"], record["run_group"]) == ("eval", "cls")
+    summary = _inspect(evaluated, summary=True)["summary"]
+    assert summary["test/nll"] == pytest.approx(scored["metrics"]["test/nll"])
 
 
 def test_a_failed_run_is_marked_failed(tmp_path):

@@ -487,7 +487,9 @@ def eval_job(cfg: DictConfig) -> dict[str, Any]:
         finally:
             shutil.rmtree(stage, ignore_errors=True)
     log.info("wrote %s", out / "results.json")
-    logger = build(cfg.logger)
+    tracked = cfg.copy()  # the tracker's folder is that of the scored run's experiment
+    tracked.experiment_name = run_cfg.experiment_name
+    logger = build(tracked.logger)
     choices = {g: str(results[g]) for g in ("method", "backbone", "dataset")}
     labels = run_labels(OmegaConf.to_container(run_cfg, resolve=True), choices, "eval",
                         f"{run_cfg.run_subdir}/eval/{out.name}", setting=str(run_cfg.run_subdir))
