@@ -2,7 +2,7 @@
 
 Every classification method returns member logits of shape (M, B, C); the task softmaxes them,
 keeps the per-member probabilities (so that any aggregation and the mutual information can be
-recomputed from ``predictions/<split>.npz``) and computes the metrics defined in docs/methods.md.
+recomputed from ``predictions/<split>.npz``) and computes the metrics defined in docs/metrics.md.
 """
 
 from __future__ import annotations
