@@ -43,8 +43,11 @@ test: $(STAMP)  ## Run the default (fast) test suite
 test-slow: $(STAMP)  ## Run the slow tests only
 	$(BIN)/pytest -q -n $(TEST_WORKERS) -m slow
 
+# TABLES_ARGS: e.g. "--wandb" to log each table and its figures to W&B as well
+TABLES_ARGS ?=
+
 tables: $(STAMP)  ## Build every experiment's table from runs/**/results.json into tables/
-	$(BIN)/uqbench-tables
+	$(BIN)/uqbench-tables $(TABLES_ARGS)
 
 p1-tables: $(STAMP)  ## Every P1 table from the runs that exist, and which runs are missing
 	$(BIN)/python -m uqbench.sweeps --tables tables
