@@ -299,3 +299,30 @@ def test_job_eval_scores_a_combined_ensemble_from_its_members_checkpoints(traine
     np.testing.assert_array_equal(
         np.load(out / "eval" / "fake_images" / "predictions" / "test.npz")["member_probs"],
         probs(out, "test"))
+
+
+def test_combined_ensemble_logs_to_its_members_tracker(trained, tmp_path):
+    """Members trained with logger=wandb: the combined ensemble gets its W&B record too, job
+    type combine, holding the ensemble's metrics."""
+    import json
+    import subprocess
+    import sys
+
+    wandb_dir = tmp_path / "tracker"
+    members = copy_members(trained, tmp_path)
+    for folder in members:
+        spoil_config(folder, logger={"_target_": "uqbench.loggers.WandbLogger",
+                                     "mode": "offline", "dir": str(wandb_dir)})
+    _, results = combine(members, out=tmp_path / "combined")
+    (offline,) = sorted((wandb_dir / "wandb").glob("offline-run-*"))
+    wandb = Path(sys.executable).with_name("wandb")
+    out = subprocess.run([str(wandb), "leet", "inspect", "--json", str(offline)],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    records = [json.loads(line) for line in out.splitlines()]
+    (record,) = [r["run"] for r in records if r.get("type") == "run"]
+    assert record["job_type"] == "combine"
+    state = json.loads(subprocess.run(
+        [str(wandb), "leet", "inspect", "--summary", "--json", str(offline)],
+        capture_output=True, text=True, timeout=120, check=True).stdout)
+    assert state["summary"]["test/nll"] == pytest.approx(results["metrics"]["test/nll"])
+    assert state["summary"]["params/trainable"] == results["params"]["trainable"]

@@ -233,8 +233,7 @@ def test_reliability_bins_by_hand():
 def test_a_nan_metric_marks_the_run_failed(tmp_path):
     """A run whose scoring gave a NaN is published (its files are the record) but its
     tracker run is closed as failed, with the summary a table reads."""
-    from uqbench.loggers import Logger
-    from uqbench.run import track_results
+    from uqbench.loggers import Logger, log_results
 
     class Recorder(Logger):
         def __init__(self):
@@ -249,7 +248,7 @@ def test_a_nan_metric_marks_the_run_failed(tmp_path):
     for metrics, failed in [({"test/nll": float("nan"), "test/acc": 0.5}, True),
                             ({"test/nll": 0.3, "test/acc": 0.5}, False)]:
         recorder = Recorder()
-        track_results(recorder, {"run": "r", "metrics": metrics, "params": {"total": 3}},
+        log_results(recorder, {"run": "r", "metrics": metrics, "params": {"total": 3}},
                       tmp_path, [])
         assert recorder.failed is failed
         assert recorder.summary["params/total"] == 3 and recorder.summary["test/acc"] == 0.5

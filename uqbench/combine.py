@@ -42,6 +42,7 @@ import numpy as np
 
 from uqbench.configs import USER_ERRORS, build
 from uqbench.evaluation import score
+from uqbench.loggers import log_results, run_labels
 from uqbench.results import write_stage
 from uqbench.runfolder import (
     RunLock,
@@ -307,6 +308,8 @@ def combine(folders: list[Path], out: Path | None = None, overwrite: bool = Fals
     if any(out.resolve() == m.folder.resolve() for m in members):
         raise ValueError(f"--out {out} is one of the member folders; give the ensemble its own")
     config = ensemble_config(members[0], run, out)
+    # the members' tracker (logger=none: none), built now so that a bad setting fails first
+    logger = build(copy.deepcopy(config["logger"])) if config.get("logger") else None
     with contextlib.ExitStack() as locks:
         for m in members:  # no member job rewrites its folder while it is read
             locks.enter_context(_member_lock(m.folder))
@@ -329,6 +332,10 @@ def combine(folders: list[Path], out: Path | None = None, overwrite: bool = Fals
         finally:
             shutil.rmtree(stage, ignore_errors=True)
     log.info("wrote %s", out / "results.json")
+    if logger is not None:  # the ensemble's record beside its members', as job type combine
+        choices = {g: str(results[g]) for g in ("method", "backbone", "dataset")}
+        logger.start(out, run_labels(config, choices, "combine", run), config)
+        log_results(logger, results, out)
     return out, results
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import re
 import socket
@@ -126,6 +127,24 @@ def summary_of(results: dict[str, Any]) -> dict[str, Any]:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 summary[f"{section}/{key.replace('.', '/')}"] = value
     return summary
+
+
+def log_results(logger: Logger, results: dict[str, Any], run_dir: Path,
+                images: list[Path] = ()) -> None:
+    """Hand a published run to its tracker and close it: the summary a table reads
+    (:func:`summary_of`), the figures (paths relative to ``run_dir``), the predictions folder;
+    failed if a metric is not finite."""
+    bad = sorted(k for k, v in (results.get("metrics") or {}).items()
+                 if isinstance(v, float) and not math.isfinite(v))
+    if bad:
+        log.warning("non-finite metrics (%s): the tracker marks this run failed",
+                    ", ".join(bad[:5]) + (" …" if len(bad) > 5 else ""))
+    logger.log_summary(summary_of(results))
+    for image in images:
+        logger.log_image(image.with_suffix("").as_posix(), run_dir / image)
+    logger.log_files(f"predictions-{results.get('run', 'run')}", "predictions",
+                     run_dir / "predictions")
+    logger.finish(failed=bool(bad))
 
 
 class Logger:

@@ -35,7 +35,7 @@ from uqbench.configs import USER_ERRORS, build, check_types, check_value, option
 from uqbench.contracts import to_device
 from uqbench.engine import resolve_device
 from uqbench.evaluation import evaluate, forward_cost, predict_splits, score
-from uqbench.loggers import Logger, NullLogger, run_labels, summary_of
+from uqbench.loggers import Logger, NullLogger, log_results, run_labels
 from uqbench.methods.base import Method
 from uqbench.results import group_choices, group_settings, run_header, write_stage
 from uqbench.runfolder import (
@@ -165,24 +165,7 @@ def publish_run(cfg: DictConfig, run_dir: Path, config: dict, results: dict,
         shutil.rmtree(stage, ignore_errors=True)
     log.info("wrote %s", run_dir / "results.json")
     if logger is not None:
-        track_results(logger, results, run_dir, images)
-
-
-def track_results(logger: Logger, results: dict, run_dir: Path, images: list[Path]) -> None:
-    """The logger gets what a table reads (:func:`uqbench.loggers.summary_of`), the run's
-    figures and its predictions folder, and closes the run: failed if a metric is NaN."""
-    summary = summary_of(results)
-    bad = sorted(k for k, v in (results.get("metrics") or {}).items()
-                 if isinstance(v, float) and not np.isfinite(v))
-    if bad:
-        log.warning("non-finite metrics (%s): the tracker marks this run failed",
-                    ", ".join(bad[:5]) + (" …" if len(bad) > 5 else ""))
-    logger.log_summary(summary)
-    for image in images:
-        logger.log_image(image.with_suffix("").as_posix(), run_dir / image)
-    logger.log_files(f"predictions-{Path(str(results.get('run', 'run'))).as_posix()}",
-                     "predictions", run_dir / "predictions")
-    logger.finish(failed=bool(bad))
+        log_results(logger, results, run_dir, images)
 
 
 def _labels(cfg: DictConfig, config: dict, job: str, folder: str | None = None) -> Any:
@@ -494,7 +477,7 @@ def eval_job(cfg: DictConfig) -> dict[str, Any]:
     labels = run_labels(OmegaConf.to_container(run_cfg, resolve=True), choices, "eval",
                         f"{run_cfg.run_subdir}/eval/{out.name}", setting=str(run_cfg.run_subdir))
     logger.start(out, labels, OmegaConf.to_container(run_cfg, resolve=True))
-    track_results(logger, results, out, [])
+    log_results(logger, results, out, [])
     return results
 
 
