@@ -65,15 +65,6 @@ def _fit(text: str, limit: int) -> str:
     return f"{text[:limit - 9]}~{hashlib.sha1(text.encode()).hexdigest()[:8]}"
 
 
-def _get(config: dict[str, Any], dotted: str) -> Any:
-    node: Any = config
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
-
-
 def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{"method.rank": 8, …}: nested dicts joined with dots (the override syntax)."""
     flat: dict[str, Any] = {}
@@ -105,7 +96,8 @@ def run_labels(config: dict[str, Any], choices: dict[str, str], job: str, folder
     parts = setting.split("/")
     group = "/".join(parts[:-1]) if len(parts) > 1 and SEED_FOLDER.fullmatch(parts[-1]) \
         else setting
-    flat = {k: _get(config, path) for k, path in FLAT_KEYS.items()}
+    settings = flatten(config)
+    flat = {k: settings.get(path) for k, path in FLAT_KEYS.items()}
     flat |= {g: choices.get(g) for g in ("method", "backbone", "dataset")}
     flat |= {"members": members(config), "job": job, "run": folder}
     tags = [f"{g}:{v}" for g, v in sorted(choices.items())
