@@ -110,23 +110,31 @@ def brier(probs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((probs - onehot) ** 2).sum(-1).mean()
 
 
+def _bin_sums(probs: torch.Tensor, y: torch.Tensor, bins: int, name: str
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per equal-width bin of top-label confidence (bins,): the number of samples, the sum
+    of their confidences and of their correct predictions. Bin k covers (k/bins, (k+1)/bins]
+    (confidence 0 falls into bin 0)."""
+    if bins < 1:
+        raise ValueError(f"{name} bins must be >= 1, got {bins}")
+    conf, pred = probs.double().max(-1)
+    correct = (pred == y).double()
+    inner = torch.linspace(0, 1, bins + 1, dtype=torch.float64, device=conf.device)[1:-1]
+    idx = torch.searchsorted(inner, conf, side="left")  # conf == edge → the lower bin: (lo, hi]
+    zeros = torch.zeros(bins, dtype=torch.float64, device=conf.device)
+    return (zeros.index_add(0, idx, torch.ones_like(conf)), zeros.index_add(0, idx, conf),
+            zeros.index_add(0, idx, correct))
+
+
 def ece(probs: torch.Tensor, y: torch.Tensor, bins: int = 15) -> torch.Tensor:
     """Expected calibration error with top-label confidence and equal-width bins.
 
     Bin k covers the interval (k/bins, (k+1)/bins] (confidence 0 falls into bin 0); the gap
     |accuracy − mean confidence| of each bin is weighted by the share of samples in it.
     """
-    if bins < 1:
-        raise ValueError(f"ece bins must be >= 1, got {bins}")
-    conf, pred = probs.double().max(-1)
-    correct = (pred == y).double()
-    inner = torch.linspace(0, 1, bins + 1, dtype=torch.float64, device=conf.device)[1:-1]
-    idx = torch.searchsorted(inner, conf, side="left")  # conf == edge → the lower bin: (lo, hi]
-    zeros = torch.zeros(bins, dtype=torch.float64, device=conf.device)
-    conf_sum = zeros.index_add(0, idx, conf)
-    acc_sum = zeros.index_add(0, idx, correct)
+    count, conf_sum, acc_sum = _bin_sums(probs, y, bins, "ece")
     # Σ_k (n_k/N)·|acc_k − conf_k| = Σ_k |Σ_{i∈k} correct_i − Σ_{i∈k} conf_i| / N
-    return (acc_sum - conf_sum).abs().sum() / conf.numel()
+    return (acc_sum - conf_sum).abs().sum() / count.sum()
 
 
 def reliability(probs: torch.Tensor, y: torch.Tensor, bins: int = 15
@@ -134,17 +142,8 @@ def reliability(probs: torch.Tensor, y: torch.Tensor, bins: int = 15
     """The reliability diagram's bins, as :func:`ece` forms them: ``count`` (bins,), and in
     each bin the mean top-label ``confidence`` and the ``accuracy`` (NaN where a bin is
     empty). ECE = Σ_k (count_k / N) · |accuracy_k − confidence_k|."""
-    if bins < 1:
-        raise ValueError(f"reliability bins must be >= 1, got {bins}")
-    conf, pred = probs.double().max(-1)
-    correct = (pred == y).double()
-    inner = torch.linspace(0, 1, bins + 1, dtype=torch.float64, device=conf.device)[1:-1]
-    idx = torch.searchsorted(inner, conf, side="left")  # (lo, hi], as in ece
-    zeros = torch.zeros(bins, dtype=torch.float64, device=conf.device)
-    count = zeros.index_add(0, idx, torch.ones_like(conf))
-    return {"count": count,
-            "confidence": zeros.index_add(0, idx, conf) / count,
-            "accuracy": zeros.index_add(0, idx, correct) / count}
+    count, conf_sum, acc_sum = _bin_sums(probs, y, bins, "reliability")
+    return {"count": count, "confidence": conf_sum / count, "accuracy": acc_sum / count}
 
 
 def entropy(probs: torch.Tensor) -> torch.Tensor:
