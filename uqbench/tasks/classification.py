@@ -141,7 +141,8 @@ class ClassificationTask(Task):
                      f"N = {len(y)})", fontsize=9)
         ax.legend(fontsize=8, loc="upper left")
         written = [self._save(fig, folder / "reliability.png")]
-        ood = [s for s in ood_splits if s in predictions]
+        ood = {s: M.ood_scores(self._tensors(predictions[s])[0], self.aggregation)
+               for s in ood_splits if s in predictions}
         if ood:
             id_scores = M.ood_scores(member_probs, self.aggregation)
             fig, axes = plt.subplots(1, len(M.OOD_SCORES), figsize=(4 * len(M.OOD_SCORES), 3.4),
@@ -150,9 +151,8 @@ class ClassificationTask(Task):
                 ax.hist(id_scores[score].numpy(), bins=30, alpha=0.55, density=True,
                         label="test (in-distribution)")
                 aurocs = []
-                for split in ood:
-                    scores = M.ood_scores(self._tensors(predictions[split])[0],
-                                          self.aggregation)[score]
+                for split, split_scores in ood.items():
+                    scores = split_scores[score]
                     ax.hist(scores.numpy(), bins=30, alpha=0.55, density=True, label=split)
                     auroc = M.ood_detection(id_scores[score], scores)["auroc"]
                     aurocs.append(f"{split} {100 * auroc:.1f}")
