@@ -14,6 +14,7 @@ import math
 import os
 import re
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ class RunLabels:
     name: the run folder below the runs folder; id: derived from it, so a re-run, a resume or
     ``overwrite=true`` updates one tracker run; group: the run folder without its seed (the
     setting whose seeds a dashboard's group view aggregates); job_type: train | params | eval
-    | tables; tags: the chosen config options; flat: top-level keys to filter by.
+    | combine | tables; tags: the chosen config options; flat: top-level keys to filter by.
     """
 
     name: str
@@ -65,13 +66,13 @@ def _fit(text: str, limit: int) -> str:
     return f"{text[:limit - 9]}~{hashlib.sha1(text.encode()).hexdigest()[:8]}"
 
 
-def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"method.rank": 8, …}: nested dicts joined with dots (the override syntax)."""
+def flatten(config: dict[str, Any], prefix: str = "", sep: str = ".") -> dict[str, Any]:
+    """{"method.rank": 8, …}: nested dicts joined with ``sep`` (dots: the override syntax)."""
     flat: dict[str, Any] = {}
     for key, value in config.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict) and value:
-            flat |= flatten(value, f"{name}.")
+            flat |= flatten(value, f"{name}{sep}", sep)
         else:
             flat[name] = value
     return flat
@@ -87,8 +88,7 @@ def members(config: dict[str, Any]) -> int:
 
 
 def run_labels(config: dict[str, Any], choices: dict[str, str], job: str, folder: str,
-               setting: str | None = None, extra_tags: list[str] | tuple[str, ...] = ()
-               ) -> RunLabels:
+               setting: str | None = None) -> RunLabels:
     """The labels of one job. ``folder``: its folder below the runs folder (the id's source);
     ``setting``: the training run's folder, whose parent without the seed is the group (for a
     scoring job, the run it scores); ``choices``: the option chosen in each config group."""
@@ -103,7 +103,6 @@ def run_labels(config: dict[str, Any], choices: dict[str, str], job: str, folder
     tags = [f"{g}:{v}" for g, v in sorted(choices.items())
             if v and g not in UNTAGGED and "/" not in g and "@" not in g]
     tags += [f"job:{job}"] + ([f"variant:{flat['variant']}"] if flat["variant"] else [])
-    tags += list(extra_tags)
     return RunLabels(name=_fit(folder, NAME_LIMIT), id=stable_id(folder),
                      group=_fit(group, NAME_LIMIT), job_type=job,
                      tags=tuple(dict.fromkeys(_fit(t, TAG_LIMIT) for t in tags)), flat=flat)
@@ -115,14 +114,14 @@ def summary_of(results: dict[str, Any]) -> dict[str, Any]:
     (selected epoch, steps)."""
     summary = dict(results.get("metrics") or {})
     for section in ("params", "time", "cost", "memory", "train"):
-        for key, value in flatten(results.get(section) or {}).items():
+        for key, value in flatten(results.get(section) or {}, f"{section}/", "/").items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                summary[f"{section}/{key.replace('.', '/')}"] = value
+                summary[key] = value
     return summary
 
 
 def log_results(logger: Logger, results: dict[str, Any], run_dir: Path,
-                images: list[Path] = ()) -> None:
+                images: Sequence[Path] = ()) -> None:
     """Hand a published run to its tracker and close it: the summary a table reads
     (:func:`summary_of`), the figures (paths relative to ``run_dir``), the predictions folder;
     failed if a metric is not finite."""

@@ -35,7 +35,7 @@ from uqbench.configs import USER_ERRORS, build, check_types, check_value, option
 from uqbench.contracts import to_device
 from uqbench.engine import resolve_device
 from uqbench.evaluation import evaluate, forward_cost, predict_splits, score
-from uqbench.loggers import Logger, NullLogger, log_results, run_labels
+from uqbench.loggers import Logger, NullLogger, RunLabels, log_results, run_labels
 from uqbench.methods.base import Method
 from uqbench.results import group_choices, group_settings, run_header, write_stage
 from uqbench.runfolder import (
@@ -168,9 +168,9 @@ def publish_run(cfg: DictConfig, run_dir: Path, config: dict, results: dict,
         log_results(logger, results, run_dir, images)
 
 
-def _labels(cfg: DictConfig, config: dict, job: str, folder: str | None = None) -> Any:
-    return run_labels(config, group_choices(cfg), job, folder or str(cfg.run_subdir),
-                      setting=str(cfg.run_subdir))
+def _labels(cfg: DictConfig, config: dict, job: str) -> RunLabels:
+    """The tracker's labels of this job, which has its own run folder."""
+    return run_labels(config, group_choices(cfg), job, str(cfg.run_subdir))
 
 
 def _run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
@@ -201,7 +201,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         try:
             publish_run(cfg, run_dir, config, results, {}, logger=logger)
         finally:
-            logger.finish(failed=True)  # a no-op after track_results closed it
+            logger.finish(failed=True)  # a no-op after log_results closed it
         return results
     resume = resume_point(cfg, run_dir, config)
     fabric = engine.fabric(device, trainer)  # after the reuse: a skipped run never loads it
@@ -461,10 +461,11 @@ def eval_job(cfg: DictConfig) -> dict[str, Any]:
                    "time": {"eval_s": time.perf_counter() - start},
                    "environment": environment(),
                    "device": str(device), "device_note": fallback}
+        run_config = OmegaConf.to_container(run_cfg, resolve=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         stage = new_stage(out)
         try:
-            write_stage(stage, OmegaConf.to_container(run_cfg, resolve=True), results,
+            write_stage(stage, run_config, results,
                         predictions if cfg.save_predictions else {})
             publish(stage, out)
         finally:
@@ -474,9 +475,9 @@ def eval_job(cfg: DictConfig) -> dict[str, Any]:
     tracked.experiment_name = run_cfg.experiment_name
     logger = build(tracked.logger)
     choices = {g: str(results[g]) for g in ("method", "backbone", "dataset")}
-    labels = run_labels(OmegaConf.to_container(run_cfg, resolve=True), choices, "eval",
-                        f"{run_cfg.run_subdir}/eval/{out.name}", setting=str(run_cfg.run_subdir))
-    logger.start(out, labels, OmegaConf.to_container(run_cfg, resolve=True))
+    labels = run_labels(run_config, choices, "eval", f"{run_cfg.run_subdir}/eval/{out.name}",
+                        setting=str(run_cfg.run_subdir))
+    logger.start(out, labels, run_config)
     log_results(logger, results, out, [])
     return results
 
