@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from uqbench.configs import group_options
 from uqbench.run import run
-from uqbench.tables import check_results
+from uqbench.tables import _has_path, check_results
 
 EXPERIMENTS = group_options("experiment")
 
@@ -54,14 +54,6 @@ def test_every_experiment_that_trains_draws_the_figure_its_paper_shows(specs):
                                                  for s in range(1, 6)], exp
 
 
-def _has(obj: object, dotted: str) -> bool:
-    for part in dotted.split("."):
-        if not isinstance(obj, dict) or part not in obj:
-            return False
-        obj = obj[part]
-    return True
-
-
 @pytest.fixture(scope="module")
 def tiny_results(cfg, tmp_path_factory, one_thread) -> dict[str, dict]:
     """results.json of one tiny run per task: SVE on digits (five corruption severities) and
@@ -92,5 +84,5 @@ def test_every_figure_key_is_one_a_real_run_writes(specs, tiny_results):
                 value = figure.get(group)
                 keys += value if isinstance(value, list) else [value]
             for key in filter(None, keys):
-                assert _has(results, key), f"{exp} figure '{name}' reads {key}, which a run " \
+                assert _has_path(results, key), f"{exp} figure '{name}' reads {key}, which a run " \
                                            f"does not write"

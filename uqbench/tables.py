@@ -176,6 +176,13 @@ def _keys(value: Any) -> list[Any]:
     return value if isinstance(value, list) and value else [value]
 
 
+def _ys(figure: dict[str, Any]) -> list[Any]:
+    """The y keys a figure draws, one panel each: ``[None]`` for a ``series`` figure."""
+    if figure.get("series"):
+        return [None]
+    return figure["y"] if isinstance(figure["y"], list) else [figure["y"]]
+
+
 def _figure_keys(figure: Any) -> tuple[list[str], list[str]]:
     """(the keys that must hold numbers, those that must hold single values), or
     InvalidResults. A figure draws ``y`` against ``x``, or (``series`` with ``labels``) one
@@ -516,7 +523,7 @@ def figure_points(runs: list[Run], figure: dict[str, Any]) -> pd.DataFrame:
     there (runs without the value are left out). x is the run's ``x`` value, or the label of
     a ``series`` key; ``y`` is the position of the y key (0 for a series)."""
     series = figure.get("series")
-    ys = [None] if series else (figure["y"] if isinstance(figure["y"], list) else [figure["y"]])
+    ys = _ys(figure)
     hues = [_label(run, figure["hue"]) for run in runs]
     facets = [_label(run, figure["facet"]) if figure.get("facet") else ((), "") for run in runs]
     hue_rank = {h: i for i, h in enumerate(sorted(set(hues)))}
@@ -551,7 +558,7 @@ def summary_figure(runs: list[Run], figure: dict[str, Any], path: Path, title: s
     import matplotlib.pyplot as plt
 
     series = figure.get("series")
-    ys = [None] if series else (figure["y"] if isinstance(figure["y"], list) else [figure["y"]])
+    ys = _ys(figure)
     points = figure_points(runs, figure)
     facets = sorted({_label(run, figure["facet"]) for run in runs}) if figure.get("facet") \
         else [((), "")]
