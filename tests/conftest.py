@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_module  # noqa: E402
 from hydra.core.global_hydra import GlobalHydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 
-import uqbench.run  # noqa: E402,F401  (registers the config resolvers)
+import uqbench.runner.cli  # noqa: E402,F401  (registers the config resolvers)
 
 
 @pytest.fixture

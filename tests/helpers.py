@@ -11,9 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_cli(*args: str, cwd: Path = ROOT, check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``python -m uqbench.run ARGS`` in a subprocess, as a user would from the shell."""
+    """Run ``python -m uqbench.runner.cli ARGS`` in a subprocess, as a user would from the shell."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "-m", "uqbench.run", *args], cwd=cwd, env=env,
+    proc = subprocess.run([sys.executable, "-m", "uqbench.runner.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"uqbench {' '.join(args)} failed ({proc.returncode}):\n"
@@ -52,7 +52,7 @@ def quick_trainer(epochs: int, lr: float = 1e-2, optimizer: str = "torch.optim.A
     from omegaconf import OmegaConf
 
     return instantiate(OmegaConf.create({
-        "_target_": "uqbench.training.Trainer", "epochs": epochs, "grad_clip": None,
+        "_target_": "uqbench.runner.training.Trainer", "epochs": epochs, "grad_clip": None,
         "warmup_epochs": 0, "schedule": "constant", "select": "last", "val_every": val_every,
         "progress": False, **settings,
         "optimizer": {"_target_": optimizer, "_partial_": True, "lr": lr}}))

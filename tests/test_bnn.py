@@ -10,12 +10,12 @@ from uqbench.backbones.base import Backbone
 from uqbench.backbones.mlp import MLP
 from uqbench.contracts import DataInfo
 from uqbench.data.polynomial import PolynomialData
-from uqbench.loggers import NullLogger
 from uqbench.methods.base import Method
 from uqbench.methods.bnn import BayesianMLP
 from uqbench.methods.moments import GaussianLinear, MomentLeakyReLU
+from uqbench.records.loggers import NullLogger
+from uqbench.runner.training import NonFiniteLossError
 from uqbench.tasks.regression import RegressionTask
-from uqbench.training import NonFiniteLossError
 
 INFO = DataInfo("regression", in_dim=1, out_dim=1, num_train_batches=20)
 

@@ -15,9 +15,9 @@ from uqbench.backbones.mlp import MLP
 from uqbench.configs import check_types
 from uqbench.contracts import DataInfo, RegressionOutput
 from uqbench.data.polynomial import PolynomialData
-from uqbench.loggers import NullLogger
 from uqbench.methods import bnn as bnn_module
 from uqbench.methods.bnn import BayesianMLP
+from uqbench.records.loggers import NullLogger
 from uqbench.tasks.regression import RegressionTask
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -275,7 +275,7 @@ def test_the_runner_records_diagnostics_and_changes_no_other_metric(compose_cfg,
     """test/mc_* appear in every BNN run (check_samples=0 leaves them out), the other metrics
     are those of a run without them, and job=eval on the run reproduces them exactly (the
     draws come from a fixed seed)."""
-    from uqbench.run import run
+    from uqbench.runner.cli import run
 
     common = [*TINY, f"paths.runs_dir={tmp_path}", "method.variance=learned",
               "method.inference=mc", "method.mc_samples=50"]  # MC inference: RNG-sensitive

@@ -11,8 +11,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from uqbench import claims as C
-from uqbench.tables import main as tables_main
+from uqbench.report import claims as C
+from uqbench.report.tables import main as tables_main
 
 ROWS = [{"key": "settings.backbone.width", "title": "width"},
         {"key": "settings.method.variance", "title": "variance"}]

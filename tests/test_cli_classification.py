@@ -12,7 +12,7 @@ from sklearn.metrics import brier_score_loss, log_loss, roc_auc_score
 from torchmetrics.classification import MulticlassCalibrationError
 
 from tests.helpers import run_cli
-from uqbench.tables import write_tables
+from uqbench.report.tables import write_tables
 
 FAST = ["trainer.epochs=1", "trainer.val_every=1", "trainer.progress=false", "logger=none",
         "plot=false", "torch_threads=1"]

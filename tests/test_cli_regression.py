@@ -10,7 +10,7 @@ import pytest
 from scipy.stats import norm
 
 from tests.helpers import run_cli
-from uqbench.tables import main as tables_main
+from uqbench.report.tables import main as tables_main
 
 TINY = ["trainer.epochs=3", "trainer.progress=false", "dataset.n_train=200",
         "dataset.n_val=50", "dataset.n_test=100", "dataset.n_ood=100", "logger=none"]

@@ -11,10 +11,10 @@ from omegaconf import OmegaConf
 from uqbench.backbones.base import Backbone
 from uqbench.configs import build, group_options, options_where, options_with
 from uqbench.data.base import DataModule
-from uqbench.loggers import Logger
 from uqbench.methods.base import Method
+from uqbench.records.loggers import Logger
+from uqbench.runner.training import Trainer
 from uqbench.tasks.base import Task
-from uqbench.training import Trainer
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 BUILT = {"backbone": Backbone, "dataset": DataModule, "trainer": Trainer, "logger": Logger,
@@ -117,7 +117,7 @@ def test_p1_experiments_train_each_method_by_its_own_recipe(compose_cfg, method,
 
 
 def test_the_recipes_batch_size_replaces_the_datasets(compose_cfg, tmp_path):
-    from uqbench.run import run
+    from uqbench.runner.cli import run
 
     cfg = compose_cfg(["backbone=tiny_vit", "dataset=fake_images", "method=single",
                        "trainer=lora_ensemble", "trainer.epochs=0", "plot=false",

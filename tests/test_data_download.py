@@ -173,8 +173,8 @@ def test_loading_never_touches_the_network(tmp_path, monkeypatch):
     from tests.fixtures.backbones import FakeImageBackbone, FakeTextBackbone
     from uqbench.data.arc import ARCEasyData
     from uqbench.data.cifar import CIFAR100Data
+    from uqbench.data.image_folders import DTDData, Flowers102Data, OxfordPetsData
     from uqbench.data.text import SST2Data
-    from uqbench.data.vision import DTDData, Flowers102Data, OxfordPetsData
 
     for write in WRITERS.values():
         write(tmp_path)

@@ -24,7 +24,7 @@ from uqbench.backbones.digits_vit import (
 from uqbench.backbones.timm_vit import TimmViT
 from uqbench.data import digits as digits_module
 from uqbench.data.digits import DigitsData, corrupt_images, digit_images, digits_splits
-from uqbench.run import run
+from uqbench.runner.cli import run
 
 TINY = {"epochs": 1, "lr": 1e-3, "weight_decay": 0.0, "batch_size": 5, "augment": True,
         "seed": 0}
@@ -143,7 +143,7 @@ def test_bad_corruption_or_severity_is_refused_before_anything_runs(compose_cfg,
 def tiny(tmp_path_factory):
     """The weak level's pipeline on 10 pretraining images for one epoch, and the indices of
     the images its training read."""
-    from uqbench import pretrain as module
+    from uqbench.runner import pretrain as module
 
     read = []
     original = module.ArrayImageDataset
@@ -181,7 +181,7 @@ def test_pretraining_reads_only_pretraining_images_and_timm_vit_loads_the_weight
 
 
 def test_second_call_reuses_the_cache_without_training(tiny, monkeypatch):
-    from uqbench import pretrain as module
+    from uqbench.runner import pretrain as module
 
     result, _ = tiny
     mtime = result.weights.stat().st_mtime_ns
@@ -202,7 +202,7 @@ def _as_weak_level(tiny, cache) -> DigitsViT:
 
 
 def test_truncated_checkpoint_is_refused_naming_the_file(tiny, tmp_path):
-    from uqbench.pretrain import pretrain
+    from uqbench.runner.pretrain import pretrain
 
     backbone = _as_weak_level(tiny, tmp_path)
     assert backbone.build()(torch.zeros(2, 3, 32, 32)).shape == (2, 64)  # intact: loads
@@ -236,7 +236,7 @@ def test_dataset_refuses_a_backbone_pretrained_on_another_split(tmp_path):
 
 
 def test_pretrain_command_prints_the_probe_and_refuses_unknown_levels(tmp_path, capsys):
-    from uqbench.pretrain import main
+    from uqbench.runner.pretrain import main
 
     main(["random", "--cache-dir", str(tmp_path)])
     out = capsys.readouterr().out

@@ -98,7 +98,7 @@ def test_skipping_steps_reads_nothing_and_calls_back_once():
 @pytest.fixture
 def uninterrupted(cfg, tmp_path):
     """``uninterrupted(overrides)``: the results of a run made in this process, start to end."""
-    from uqbench.run import run
+    from uqbench.runner.cli import run
 
     def go(overrides: list[str], name: str = "whole") -> dict:
         return run(cfg(*overrides, f"paths.runs_dir={tmp_path / name}"))
@@ -114,7 +114,7 @@ def test_a_sigkilled_run_resumes_from_its_checkpoint_with_the_same_metrics(
     whole = uninterrupted(overrides)
     runs = tmp_path / "runs"
     env = {**os.environ, "UQBENCH_KILL_AT": f"checkpoint:{kill_at}"}
-    proc = subprocess.run([sys.executable, "-m", "uqbench.run", *overrides,
+    proc = subprocess.run([sys.executable, "-m", "uqbench.runner.cli", *overrides,
                            f"paths.runs_dir={runs}"], env=env, capture_output=True, text=True,
                           cwd=ROOT, timeout=600)
     assert proc.returncode == -signal.SIGKILL
@@ -133,7 +133,7 @@ def test_a_sigkilled_run_resumes_from_its_checkpoint_with_the_same_metrics(
 def terminated_after_first_checkpoint(overrides: list[str], runs: Path) -> tuple[int, str]:
     """Start a run, SIGTERM it once its first checkpoint exists, check it stopped as a
     preempted job does; returns that checkpoint's optimiser step and the job's stderr."""
-    proc = subprocess.Popen([sys.executable, "-m", "uqbench.run", *overrides,
+    proc = subprocess.Popen([sys.executable, "-m", "uqbench.runner.cli", *overrides,
                              f"paths.runs_dir={runs}"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
@@ -181,7 +181,7 @@ def test_sigterm_reaches_spawned_ddp_processes_and_the_run_resumes_exactly(tmp_p
 def killed_at_step_4(runs: Path) -> Path:
     """Run folder runs/r of a BNN run SIGKILLed right after its checkpoint at step 4."""
     env = {**os.environ, "UQBENCH_KILL_AT": "checkpoint:4"}
-    subprocess.run([sys.executable, "-m", "uqbench.run", *BNN, "run_name=r",
+    subprocess.run([sys.executable, "-m", "uqbench.runner.cli", *BNN, "run_name=r",
                     f"paths.runs_dir={runs}"], env=env, capture_output=True, cwd=ROOT,
                    timeout=600)
     return one(runs, "last.ckpt")
@@ -300,7 +300,7 @@ def test_the_final_checkpoint_holds_only_what_was_trained(tmp_path):
 def test_layouts_the_machine_cannot_run_fail_before_any_work(cfg, monkeypatch):
     from hydra.utils import instantiate
 
-    from uqbench import engine
+    from uqbench.runner import engine
 
     def trainer(*overrides):
         return instantiate(cfg(*overrides).trainer)
@@ -344,7 +344,7 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path):
     overrides = [*BNN, "logger=wandb", "logger.mode=offline", "run_name=wb",
                  f"paths.runs_dir={tmp_path}"]
     env = {**os.environ, "UQBENCH_KILL_AT": "checkpoint:8"}
-    subprocess.run([sys.executable, "-m", "uqbench.run", *overrides], env=env, cwd=ROOT,
+    subprocess.run([sys.executable, "-m", "uqbench.runner.cli", *overrides], env=env, cwd=ROOT,
                    capture_output=True, timeout=600)
     run_cli(*overrides)
     wandb_dir = tmp_path / "default" / "wandb"  # the experiment's W&B folder

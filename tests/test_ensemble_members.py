@@ -20,8 +20,8 @@ from scipy.special import logsumexp, softmax
 from sklearn.metrics import roc_auc_score
 
 from tests.helpers import build_method, run_cli
-from uqbench.combine import combine
-from uqbench.runfolder import identity
+from uqbench.records.runfolder import identity
+from uqbench.runner.combine import combine
 
 # Dropout off: it draws random numbers while training, from one stream in the one-process run
 # and one per job, and would then change the members (and the later batch orders). The clip
@@ -51,7 +51,7 @@ def trained(tmp_path_factory) -> dict[str, Path]:
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
-    from uqbench.run import run
+    from uqbench.runner.cli import run
 
     runs = tmp_path_factory.mktemp("members") / "runs"
     run_cli("-m", *COMMON, f"paths.runs_dir={runs}", "method.member=0,1")
@@ -224,7 +224,7 @@ def test_combine_refuses_what_is_not_one_complete_ensemble(trained, tmp_path, ca
 
 
 def test_the_command_takes_a_glob_and_fails_in_one_line(trained, tmp_path, capsys):
-    from uqbench.combine import main
+    from uqbench.runner.combine import main
 
     members = copy_members(trained, tmp_path)
     main([str(tmp_path / "runs" / "*method.member=*" / "seed0")])
@@ -274,7 +274,7 @@ def test_member_k_starts_as_member_k_and_counts_add_up_to_the_ensemble(cfg, meth
                                          r"deep_ensemble_lp"),
 ])
 def test_bad_members_are_refused_before_anything_is_built(compose_cfg, overrides, match):
-    from uqbench.run import check_config
+    from uqbench.runner.cli import check_config
 
     cfg = compose_cfg(["backbone=tiny_vit", "dataset=fake_images", "method=deep_ensemble",
                        "method.members=2", *overrides])
@@ -283,7 +283,7 @@ def test_bad_members_are_refused_before_anything_is_built(compose_cfg, overrides
 
 
 def test_tables_leave_member_runs_to_their_ensemble(trained):
-    from uqbench.tables import load_results
+    from uqbench.report.tables import load_results
 
     runs = [r["run"] for r in load_results(trained["runs"])]
     assert runs == [json.loads((trained["joint"] / "results.json").read_text())["run"]]
@@ -311,7 +311,7 @@ def test_combined_ensemble_logs_to_its_members_tracker(trained, tmp_path):
     wandb_dir = tmp_path / "tracker"
     members = copy_members(trained, tmp_path)
     for folder in members:
-        spoil_config(folder, logger={"_target_": "uqbench.loggers.WandbLogger",
+        spoil_config(folder, logger={"_target_": "uqbench.records.loggers.WandbLogger",
                                      "mode": "offline", "dir": str(wandb_dir)})
     _, results = combine(members, out=tmp_path / "combined")
     (offline,) = sorted((wandb_dir / "wandb").glob("offline-run-*"))

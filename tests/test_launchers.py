@@ -14,7 +14,8 @@ from hydra.utils import instantiate
 
 
 def uqbench(*args: str) -> None:
-    """Run the installed ``uqbench`` command. Not ``python -m uqbench.run``: launchers pickle the
+    """Run the installed ``uqbench`` command. Not ``python -m uqbench.runner.cli``: launchers
+    pickle the
     task function, and one defined in ``__main__`` does not pickle."""
     command = Path(sys.executable).with_name("uqbench")
     proc = subprocess.run([str(command), *args], env={**os.environ, "PYTHONUNBUFFERED": "1"},

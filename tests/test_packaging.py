@@ -1,28 +1,42 @@
-"""pyproject.toml names every package folder, so `pip install .` ships all of uqbench."""
+"""pyproject.toml finds every package and ships every config, so `pip install .` ships all of
+uqbench: its modules, uqbench.conf (the top-level conf/ through the link uqbench/conf) and
+every config group at any depth."""
 
 from __future__ import annotations
 
 import tomllib
 from pathlib import Path
 
+from setuptools import find_namespace_packages
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_every_package_folder_is_listed():
-    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    listed = set(meta["packages"])
-    found = {".".join(p.parent.relative_to(ROOT).parts)
-             for p in (ROOT / "uqbench").rglob("__init__.py")}
-    assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
-    assert meta["package-dir"]["uqbench.conf"] == "conf"
+def _setuptools() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+
+
+def test_the_configs_are_the_package_uqbench_conf():
+    link = ROOT / "uqbench" / "conf"
+    assert link.is_symlink() and link.resolve() == (ROOT / "conf").resolve()
     assert (ROOT / "conf" / "__init__.py").exists()
-    # config folders at any depth (trainer/engine, Hydra's own hydra/launcher)
-    folders = [p for p in (ROOT / "conf").rglob("*")
-               if p.is_dir() and not any(part.startswith("__") for part in p.parts)]
-    groups = {"uqbench.conf." + ".".join(p.relative_to(ROOT / "conf").parts) for p in folders}
-    assert "uqbench.conf.hydra.launcher" in groups
-    assert groups <= listed, f"add the config groups to packages: {sorted(groups - listed)}"
-    with_yaml = {"uqbench.conf." + ".".join(p.relative_to(ROOT / "conf").parts)
-                 for p in folders if any(p.glob("*.yaml"))}
-    data = set(meta["package-data"])
-    assert with_yaml <= data, f"add to package-data: {sorted(with_yaml - data)}"
+
+
+def test_package_discovery_finds_every_module_folder_and_config_group():
+    find = _setuptools()["packages"]["find"]
+    found = set(find_namespace_packages(where=str(ROOT), include=find["include"]))
+    folders = {".".join(p.parent.relative_to(ROOT).parts)
+               for p in (ROOT / "uqbench").rglob("__init__.py")}
+    groups = {"uqbench.conf." + ".".join(p.relative_to(ROOT / "conf").parts)
+              for p in (ROOT / "conf").rglob("*")
+              if p.is_dir() and not any(part.startswith("__") for part in p.parts)}
+    assert {"uqbench.runner", "uqbench.records", "uqbench.report"} <= folders
+    assert {"uqbench.conf.hydra.launcher", "uqbench.conf.trainer.engine"} <= groups
+    assert folders | groups <= found
+    assert not {p for p in found if p.split(".")[0] != "uqbench"}  # tests/, conf/ stay out
+
+
+def test_every_config_and_the_type_marker_ship_as_package_data():
+    data = _setuptools()["package-data"]["*"]
+    assert "*.yaml" in data and "py.typed" in data
+    assert (ROOT / "uqbench" / "py.typed").exists()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.helpers import ROOT
-from uqbench.training import PROGRESS, Trainer, epoch_line, progress_mode
+from uqbench.runner.training import PROGRESS, Trainer, epoch_line, progress_mode
 
 
 @pytest.mark.parametrize(("setting", "tty", "mode"), [
@@ -44,7 +44,7 @@ def test_a_run_logged_to_a_file_writes_one_line_per_epoch_and_no_bar(tmp_path):
     log = tmp_path / "job.log"
     with open(log, "w") as out:
         subprocess.run(
-            [sys.executable, "-m", "uqbench.run", "trainer.epochs=5", "trainer.val_every=2",
+            [sys.executable, "-m", "uqbench.runner.cli", "trainer.epochs=5", "trainer.val_every=2",
              "dataset.n_train=64", "dataset.n_val=16", "dataset.n_test=16", "dataset.n_ood=16",
              "backbone.width=4", "method.check_samples=0", "plot=false", "torch_threads=1",
              f"paths.runs_dir={tmp_path / 'runs'}"],

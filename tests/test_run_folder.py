@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.helpers import ROOT
-from uqbench import runfolder
+from uqbench.records import runfolder
 
 SMALL = ["trainer.epochs=2", "trainer.progress=false", "dataset.n_train=100", "dataset.n_val=20",
          "dataset.n_test=20", "dataset.n_ood=20", "plot=false"]
@@ -23,7 +23,7 @@ def _cli(*args: str, kill_at: str | None = None) -> subprocess.CompletedProcess:
     env.pop("UQBENCH_KILL_AT", None)
     if kill_at:
         env["UQBENCH_KILL_AT"] = kill_at
-    return subprocess.run([sys.executable, "-m", "uqbench.run", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "uqbench.runner.cli", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -96,7 +96,7 @@ def test_an_interrupted_fallback_swap_is_restored(tmp_path, finished, monkeypatc
 
 
 def test_a_second_job_into_the_same_folder_is_refused_and_a_dead_ones_lock_is_not(tmp_path):
-    args = [sys.executable, "-m", "uqbench.run", *SMALL, "trainer.epochs=100000",
+    args = [sys.executable, "-m", "uqbench.runner.cli", *SMALL, "trainer.epochs=100000",
             f"paths.runs_dir={tmp_path}", "run_name=busy"]
     first = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)

@@ -37,7 +37,8 @@ def test_a_learning_rate_sweep_gives_one_folder_per_value(tmp_path):
 
 
 def test_the_engine_layout_is_bookkeeping_for_both_the_folder_and_the_identity():
-    from uqbench import configs, runfolder
+    from uqbench import configs
+    from uqbench.records import runfolder
 
     assert configs.ENGINE_LAYOUT == runfolder.ENGINE_LAYOUT
     stored = {"trainer": {"epochs": 3, "optimizer": {"lr": 0.1}}}  # stored before precision
@@ -50,7 +51,8 @@ def test_the_engine_layout_is_bookkeeping_for_both_the_folder_and_the_identity()
 
 
 def test_speed_options_are_bookkeeping_for_both_the_folder_and_the_identity(compose_cfg):
-    from uqbench import configs, runfolder
+    from uqbench import configs
+    from uqbench.records import runfolder
 
     assert configs.SPEED_OPTIONS == runfolder.SPEED_OPTIONS
     stored = {"method": {"variance": "embedded"}}  # a BNN run stored before the fast paths
@@ -61,7 +63,7 @@ def test_speed_options_are_bookkeeping_for_both_the_folder_and_the_identity(comp
 
 
 def test_mc_dropout_runs_stored_before_the_mask_option_drew_torch_masks():
-    from uqbench import runfolder
+    from uqbench.records import runfolder
 
     stored = {"method": {"samples": 4, "p": 0.1}}
     old = {"method": {"samples": 4, "p": 0.1, "masks": "torch"}}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from uqbench.sweeps import expected_runs, main, report, sweep_jobs
+from uqbench.report.sweeps import expected_runs, main, report, sweep_jobs
 
 
 def test_sweep_jobs_expand_every_axis():

@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from uqbench.tables import main
+from uqbench.report.tables import main
 
 SPEC = {
     "title": "toy",

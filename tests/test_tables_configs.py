@@ -9,8 +9,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from uqbench.configs import group_options
-from uqbench.run import run
-from uqbench.tables import _has_path, check_results
+from uqbench.report.tables import _has_path, check_results
+from uqbench.runner.cli import run
 
 EXPERIMENTS = group_options("experiment")
 

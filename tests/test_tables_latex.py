@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from uqbench.tables import latex_text, main
+from uqbench.report.tables import latex_text, main
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from uqbench.tables import build_table, main
+from uqbench.report.tables import build_table, main
 
 SPEC = {
     "title": "Toy — NLL vs width (σ, ±)",

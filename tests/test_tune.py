@@ -1,5 +1,5 @@
 """The Optuna sweeper preset (hydra/sweeper=tune) and the validation objective the runner
-returns to it (uqbench.objective)."""
+returns to it (uqbench.runner.objective)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from tests.helpers import run_cli
-from uqbench import objective
+from uqbench.runner import objective
 from uqbench.tasks.classification import ClassificationTask
 from uqbench.tasks.regression import RegressionTask
 
@@ -165,7 +165,7 @@ def test_the_declared_metric_names_are_the_ones_the_tasks_compute():
 def test_the_objective_is_not_part_of_a_runs_identity(compose_cfg):
     """Choosing what a sweeper reads changes no result: same folder, same stored run."""
     from uqbench.configs import identity_overrides
-    from uqbench.runfolder import differences
+    from uqbench.records.runfolder import differences
 
     a = compose_cfg(["objective=val/nll"])
     b = compose_cfg(["objective=val/rmse"])

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import ROOT, run_cli
-from uqbench.loggers import WandbLogger, run_labels, summary_of
+from uqbench.records.loggers import WandbLogger, run_labels, summary_of
 
 WANDB = Path(sys.executable).with_name("wandb")
 REGRESSION = ["trainer.epochs=3", "trainer.progress=false", "trainer.val_every=1",
@@ -154,7 +154,7 @@ def test_online_without_a_network_records_offline_within_seconds(tmp_path):
     writes its results and an offline record instead of waiting on W&B's retries."""
     env = {**os.environ, "WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_API_KEY": "a" * 40}
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "uqbench.run", *REGRESSION,
+    proc = subprocess.run([sys.executable, "-m", "uqbench.runner.cli", *REGRESSION,
                            "logger.mode=online", f"paths.runs_dir={tmp_path}"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
     elapsed = time.perf_counter() - start
@@ -233,7 +233,7 @@ def test_reliability_bins_by_hand():
 def test_a_nan_metric_marks_the_run_failed(tmp_path):
     """A run whose scoring gave a NaN is published (its files are the record) but its
     tracker run is closed as failed, with the summary a table reads."""
-    from uqbench.loggers import Logger, log_results
+    from uqbench.records.loggers import Logger, log_results
 
     class Recorder(Logger):
         def __init__(self):
@@ -260,7 +260,7 @@ def test_tables_are_logged_as_one_wandb_run_per_experiment(tmp_path):
     import pandas as pd
 
     from tests.test_tables_output import write_runs
-    from uqbench.tables import main as tables_main
+    from uqbench.report.tables import main as tables_main
 
     runs = write_runs(tmp_path / "runs")
     out = tmp_path / "tables"

@@ -27,7 +27,7 @@ BOOKKEEPING = {"seed", "run_name", "experiment", "experiment_name", "skip_existi
 # computation out on other hardware: a run resumed on another GPU count keeps its folder.
 ENGINE_LAYOUT = ("strategy", "devices", "num_nodes", "accumulate", "activation_checkpointing",
                  "checkpoint_every", "keep_checkpoint", "progress")
-# Method options that change how, not what, is computed (uqbench.runfolder.SPEED_OPTIONS).
+# Method options that change how, not what, is computed (uqbench.records.runfolder.SPEED_OPTIONS).
 SPEED_OPTIONS = ("fused", "compile", "cache_weights")
 BOOKKEEPING_PREFIXES = ("paths", "logger", "hydra", "resume",
                         *(f"trainer.{k}" for k in ENGINE_LAYOUT),

@@ -5,7 +5,7 @@ The architecture (:data:`ARCHITECTURE`, timm ``vit_tiny_patch16_224`` resized: 3
 the DINO ViTs' module names (``blocks.N.attn.qkv``, ``attn.proj``, ``mlp.fc1``, ``mlp.fc2``),
 so every method applies. Features: the mean patch token after the final norm, (B, 64).
 
-Levels (:data:`RECIPES`; ``uqbench-pretrain`` builds them, :mod:`uqbench.pretrain`), with the
+Levels (:data:`RECIPES`; ``uqbench-pretrain`` builds them, :mod:`uqbench.runner.pretrain`), with the
 linear-probe accuracy on the downstream task (split_seed 0; in brackets: over pretraining seeds
 0–2, which shows how far a probe on 314 test images moves by chance):
 

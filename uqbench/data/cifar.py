@@ -31,7 +31,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from uqbench.data.base import resolve_names
-from uqbench.data.images import ArrayImageDataset, ImageDataModule
+from uqbench.data.image_base import ArrayImageDataset, ImageDataModule
 from uqbench.data.layout import (
     ALL_CORRUPTIONS,
     LAYOUTS,

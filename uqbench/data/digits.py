@@ -41,7 +41,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from uqbench.data.base import resolve_names
 from uqbench.data.cifar import resolve_severities
-from uqbench.data.images import ArrayImageDataset, ImageDataModule
+from uqbench.data.image_base import ArrayImageDataset, ImageDataModule
 from uqbench.data.layout import SEVERITIES
 
 PRETRAIN_CLASSES = (0, 1, 2, 3, 4)    # pretraining + OOD

@@ -22,7 +22,6 @@ from torch import nn
 
 from uqbench.contracts import Batch, DataInfo
 from uqbench.methods.base import MemberParameters, Method
-from uqbench.methods.choices import mask_absent, score_choices
 from uqbench.methods.heads import EnsembleHead, answer_rows, check_head_init
 from uqbench.methods.layers import (
     Inputs,
@@ -31,6 +30,7 @@ from uqbench.methods.layers import (
     split_members,
     wrappable_backbones,
 )
+from uqbench.methods.multiple_choice import mask_absent, score_choices
 
 # Backbones whose build() takes no input width and returns a feature encoder (B, feature_dim).
 FEATURE_MODALITIES = ("image", "text")
@@ -171,7 +171,7 @@ class EnsembleMethod(Method):
 
     def forward(self, inputs: Inputs) -> torch.Tensor:
         """Logits (M, B, C). Multiple choice: (B, C, L) inputs, each (example, choice) pair
-        scored on its own (``uqbench.methods.choices``); absent choices (``choice_mask``
+        scored on its own (``uqbench.methods.multiple_choice``); absent choices (``choice_mask``
         false) get probability 0."""
         if self.multiple_choice:
             return score_choices(self.logits, inputs)

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
-from uqbench import engine
-from uqbench.checkpoints import rng_state, set_rng_state
 from uqbench.contracts import Shard, to_device
-from uqbench.loggers import Logger
+from uqbench.records.loggers import Logger
+from uqbench.runner import engine
+from uqbench.runner.checkpoints import rng_state, set_rng_state
 
 if TYPE_CHECKING:  # types only: the loop takes a built method, data and task from the runner
     from uqbench.data.base import DataModule

@@ -28,7 +28,7 @@ A claim whose runs are missing is **not measured**. ``claims_by: <dotted key>`` 
 ``variant``) repeats every claim within each value of that key, for a sweep over setups, and
 writes one grid: a row per setup, a column per claim.
 
-Imports nothing of uqbench; the runs are dicts as ``uqbench.tables`` loads them.
+Imports nothing of uqbench; the runs are dicts as ``uqbench.report.tables`` loads them.
 """
 
 from __future__ import annotations

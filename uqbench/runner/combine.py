@@ -9,11 +9,12 @@ member runs afterwards::
 It checks that the member runs are one ensemble (stored configs identical except
 ``method.member``, members 0 … M−1 each present once, results and predictions of every split
 saved), stacks the member predictions in member order (member_probs (M, N, C)), scores them
-with the task of the stored config (``uqbench.evaluation.score``: the temperature is refitted
+with the task of the stored config (``uqbench.runner.evaluation.score``: the temperature is refitted
 on the combined validation predictions) and writes a complete run folder, by default the one
 the one-process Deep Ensemble of the same config gets (the ``method.member=k`` level removed),
 so that tables read it as that row. The run-folder rules are the runner's
-(``uqbench.runfolder``): the folder's lock, recovery of a killed job's leftovers, a folder of
+(``uqbench.records.runfolder``): the folder's lock, recovery of a killed job's leftovers, a
+folder of
 another configuration refused, existing results kept unless ``--overwrite`` (or returned with
 ``--skip-existing``), every file staged and published at once.
 
@@ -41,10 +42,9 @@ from typing import Any
 import numpy as np
 
 from uqbench.configs import USER_ERRORS, build
-from uqbench.evaluation import score
-from uqbench.loggers import log_results, run_labels
-from uqbench.results import write_stage
-from uqbench.runfolder import (
+from uqbench.records.loggers import log_results, run_labels
+from uqbench.records.results import write_stage
+from uqbench.records.runfolder import (
     RunLock,
     finished,
     identity,
@@ -53,6 +53,7 @@ from uqbench.runfolder import (
     recover,
     reuse,
 )
+from uqbench.runner.evaluation import score
 
 log = logging.getLogger("uqbench")
 MEMBER_KEY = "method.member"
@@ -272,7 +273,8 @@ def ensemble_results(members: list[Member], config: dict[str, Any], run: str,
 
 def existing(folder: Path, config: dict[str, Any], overwrite: bool, skip_existing: bool
              ) -> dict[str, Any] | None:
-    """The runner's rule for a folder that already holds results (uqbench.runfolder.reuse)."""
+    """The runner's rule for a folder that already holds results
+    (uqbench.records.runfolder.reuse)."""
     kept = reuse(folder, config, overwrite, skip_existing,
                  flags=("--overwrite", "--skip-existing", "--out <folder>"))
     if kept is not None:

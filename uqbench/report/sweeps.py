@@ -1,6 +1,6 @@
 """The runs an experiment's sweep asks for, which have finished, and the command for the rest.
 
-``python -m uqbench.sweeps p1_flowers102 p1_sst2 …`` (``make p1-tables``) expands each
+``python -m uqbench.report.sweeps p1_flowers102 p1_sst2 …`` (``make p1-tables``) expands each
 experiment's ``hydra.sweeper.params`` exactly as Hydra's basic sweeper does, composes every job's
 config to find its run folder, reports done/missing, and builds the tables of the experiments
 that have results. Reading a run's results never goes beyond its results.json.
@@ -75,7 +75,7 @@ def report(experiment: str, runs_dir: Path) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m uqbench.sweeps",
+        prog="python -m uqbench.report.sweeps",
         description="Which runs of an experiment's sweep exist; build the tables of those that "
                     "have results.")
     parser.add_argument("experiments", nargs="*", default=list(P1_EXPERIMENTS),
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with_results = [e for e in args.experiments if report(e, args.runs)[0] > 0]
     if args.tables is not None and with_results:
-        from uqbench.tables import write_tables
+        from uqbench.report.tables import write_tables
 
         for path in write_tables(args.runs, args.tables, with_results).values():
             print(f"→ {path}")

@@ -55,7 +55,7 @@ from uqbench.data.digits import (
     digit_images,
     digits_splits,
 )
-from uqbench.data.images import ArrayImageDataset
+from uqbench.data.image_base import ArrayImageDataset
 from uqbench.data.transforms import ImagePreprocessing
 
 

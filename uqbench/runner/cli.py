@@ -30,15 +30,12 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from uqbench import checkpoints, engine, objective
 from uqbench.configs import USER_ERRORS, build, check_types, check_value, options_where
 from uqbench.contracts import to_device
-from uqbench.engine import resolve_device
-from uqbench.evaluation import evaluate, forward_cost, predict_splits, score
-from uqbench.loggers import Logger, NullLogger, RunLabels, log_results, run_labels
 from uqbench.methods.base import Method
-from uqbench.results import group_choices, group_settings, run_header, write_stage
-from uqbench.runfolder import (
+from uqbench.records.loggers import Logger, NullLogger, RunLabels, log_results, run_labels
+from uqbench.records.results import group_choices, group_settings, run_header, write_stage
+from uqbench.records.runfolder import (
     ConfigMismatchError,
     RunExistsError,
     RunLock,
@@ -48,8 +45,11 @@ from uqbench.runfolder import (
     publish,
     recover,
 )
-from uqbench.runfolder import reuse as reuse_folder
-from uqbench.training import NonFiniteLossError, Preempted
+from uqbench.records.runfolder import reuse as reuse_folder
+from uqbench.runner import checkpoints, engine, objective
+from uqbench.runner.engine import resolve_device
+from uqbench.runner.evaluation import evaluate, forward_cost, predict_splits, score
+from uqbench.runner.training import NonFiniteLossError, Preempted
 
 log = logging.getLogger("uqbench")
 
@@ -177,7 +177,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     job = cfg.get("job", "train")
     fallback = None
     if job == "train":
-        trainer = build(cfg.trainer)  # checks its own settings (uqbench.training.Trainer)
+        trainer = build(cfg.trainer)  # checks its own settings (uqbench.runner.training.Trainer)
         if trainer.batch_size is not None:  # the recipe's batch, recorded where it acts
             cfg.dataset.batch_size = trainer.batch_size
         if not trainer.updates_weights:
@@ -190,8 +190,8 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     if (existing := reuse(cfg, run_dir)) is not None:
         return existing
     config = OmegaConf.to_container(cfg, resolve=True)
-    if job == "params":  # count parameters only: no data, no training (uqbench/overhead.py)
-        from uqbench.overhead import params_job
+    if job == "params":  # count parameters only: no data, no training (uqbench/runner/params.py)
+        from uqbench.runner.params import params_job
 
         seed_everything(int(cfg.seed))
         results = {**run_header(cfg), "job": job, **params_job(cfg),
@@ -588,8 +588,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    # `python -m uqbench.run`: run the importable module's main, so that launchers and spawned
-    # processes pickle the job's functions as uqbench.run's, not as __main__'s
+    # `python -m uqbench.runner.cli`: run the importable module's main, so that launchers and
+    # spawned processes pickle the job's functions as uqbench.runner.cli's, not as __main__'s
     import importlib
 
-    importlib.import_module("uqbench.run").main()
+    importlib.import_module("uqbench.runner.cli").main()

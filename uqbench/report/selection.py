@@ -1,6 +1,6 @@
 """Choose a setting on the validation split from a grid of finished runs.
 
-``python -m uqbench.select p1_digits_lr --key trainer.optimizer.lr --key trainer.decay_to``
+``uqbench-select p1_digits_lr --key trainer.optimizer.lr --key trainer.decay_to``
 reads the grid experiment's results.json files (nothing else), groups them by backbone and
 method, and prints, per group, the combination of the ``--key`` values with the lowest mean
 ``--metric`` over seeds, as the YAML mapping an experiment records
@@ -18,7 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from uqbench.tables import get_path, load_results
+from uqbench.report.tables import get_path, load_results
 
 
 def choose(runs: list[dict], keys: list[str], metric: str) -> dict[str, dict[str, tuple]]:
@@ -45,7 +45,7 @@ def _show(values: tuple) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m uqbench.select", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m uqbench.report.selection", description=__doc__)
     parser.add_argument("experiment")
     parser.add_argument("--key", action="append", default=None,
                         help="a setting chosen (a dotted path under results.json's settings); "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from uqbench.select import choose, main
+from uqbench.report.selection import choose, main
 
 
 def _run(backbone: str, method: str, lr: float, seed: int, nll: float) -> dict:

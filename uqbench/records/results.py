@@ -61,7 +61,7 @@ def write_json(path: Path, obj: Any) -> None:
 
 def write_stage(stage: Path, config: dict, results: dict,
                 predictions: dict[str, dict[str, np.ndarray]]) -> None:
-    """Write a run's files into its staging folder (``uqbench.runfolder.publish`` swaps the
+    """Write a run's files into its staging folder (``uqbench.records.runfolder.publish`` swaps the
     whole folder in at once, so the order of the files does not matter)."""
     (stage / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
     for split, arrays in predictions.items():

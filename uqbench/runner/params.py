@@ -7,7 +7,8 @@ heads), so the counts are those of the real run. ``experiment=p1_overhead`` uses
 reproduce P1's parameter-overhead figures; see the README.
 
 The job also estimates the training memory per device (``memory`` in results.json,
-:mod:`uqbench.memory`) for the trainer's engine settings (``trainer.precision``, ``strategy``,
+:mod:`uqbench.runner.memory`) for the trainer's engine settings (``trainer.precision``,
+``strategy``,
 ``devices`` × ``num_nodes``, ``accumulate``, ``activation_checkpointing``), its optimiser and
 batch (``trainer.batch_size``, else ``dataset.batch_size``; no estimate without either), with
 the tokens per example the backbone implies (a text dataset's ``max_length`` replaces the
@@ -32,8 +33,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from uqbench.configs import build
 from uqbench.contracts import DataInfo
-from uqbench.memory import Engine, estimate, optimizer_states
-from uqbench.results import group_settings
+from uqbench.records.results import group_settings
+from uqbench.runner.memory import Engine, estimate, optimizer_states
 
 log = logging.getLogger("uqbench")
 DEFAULTS = {"device": "meta", "num_classes": 2, "layouts": {}}
@@ -99,7 +100,7 @@ def engine_of(trainer: DictConfig, replace: dict[str, Any] | None = None) -> Eng
 
 def training_memory(cfg: DictConfig, method: Any, backbone: Any,
                     layouts: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    """The per-device training-memory estimate (:func:`uqbench.memory.estimate`) for the
+    """The per-device training-memory estimate (:func:`uqbench.runner.memory.estimate`) for the
     trainer's engine settings, with ``layouts`` (name → engine settings replaced) under
     ``layouts``; None without a batch size."""
     trainer = cfg.get("trainer") or OmegaConf.create({})

@@ -2,7 +2,7 @@
 
 (Longer than uqbench's other modules on purpose: it validates every results file it reads —
 they come from any version and any user — and builds the tables, their LaTeX and their figures
-from the same validated runs; it imports nothing else of uqbench but :mod:`uqbench.claims`.)
+from the same validated runs; it imports nothing else of uqbench but :mod:`uqbench.report.claims`.)
 
 Scans ``<runs_dir>/**/results.json`` and, for every experiment whose runs carry a ``table`` spec
 (declared in ``conf/experiment/<name>.yaml`` and copied into each results.json), writes
@@ -20,7 +20,7 @@ row keys, each cell the mean ± std over seeds. The spec::
       claims:  [{claim: "…", kind: greater, key: metrics.test/nll, a: {…}, b: {…}}, …]
 
 A spec with ``claims`` also gets ``<experiment>_claims.md``/``.csv``: each claim of the paper,
-the measurement that tests it and whether it holds (:mod:`uqbench.claims`).
+the measurement that tests it and whether it holds (:mod:`uqbench.report.claims`).
 
 Paper values are matched on row titles and shown in a "<column> (paper)" column beside ours.
 Tables read only results.json files, never a logger.
@@ -76,7 +76,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from uqbench.claims import InvalidClaims, check_claims, get_path, write_claims
+from uqbench.report.claims import InvalidClaims, check_claims, get_path, write_claims
 
 Run = dict[str, Any]
 MISSING = "–"  # a cell, a row key or a paper value that has no number
@@ -707,7 +707,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _wandb_publisher(args: argparse.Namespace) -> Callable[..., None]:
     """``publish`` for write_tables: each experiment's tables as one W&B ``tables`` run."""
-    from uqbench.loggers import WandbLogger, log_experiment_table
+    from uqbench.records.loggers import WandbLogger, log_experiment_table
 
     def make() -> WandbLogger:
         try:
