@@ -10,7 +10,7 @@ The package's folders are its layers::
 
 ``runner → records``, ``runner → methods / backbones / data → tasks → metrics``; reports read
 results files only, never the runner or the parts; the leaves (``contracts``, ``identity``,
-``metrics``) import nothing of ours, so every layer can lean on them.
+``metrics``, ``errors``) import nothing of ours, so every layer can lean on them.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def test_the_walk_sees_the_package():
 
 def test_the_tree_shows_the_layers():
     """A handful of shared leaves at the top level; everything else lives in its layer."""
-    assert TOP_LEVEL == {"contracts", "configs", "identity", "metrics"}
+    assert TOP_LEVEL == {"contracts", "configs", "errors", "identity", "metrics"}
     assert LAYERS == {"runner", "records", "report", "methods", "backbones", "data", "tasks",
                       "bench"}
 
@@ -101,14 +101,14 @@ def test_long_files_say_why_at_their_top():
     assert unexplained == []
 
 
-@pytest.mark.parametrize("module", ["metrics", "contracts", "identity", "runner.checkpoints",
+@pytest.mark.parametrize("module", ["metrics", "contracts", "errors", "identity", "runner.checkpoints",
                                     "runner.fsdp", "records.loggers", "report.claims"])
 def test_leaf_modules_import_nothing_of_the_project(module):
     assert GRAPH[f"uqbench.{module}"] == set()
 
 
-def test_configs_lean_only_on_the_identity():
-    assert GRAPH["uqbench.configs"] <= {"uqbench.identity"}
+def test_configs_lean_only_on_the_identity_and_the_error_kinds():
+    assert GRAPH["uqbench.configs"] <= {"uqbench.identity", "uqbench.errors"}
 
 
 def test_records_lean_only_on_records_and_the_identity():

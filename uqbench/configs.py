@@ -5,7 +5,7 @@ lists a config group's options for error messages.
 
 Errors that tell a user which backbones, methods or datasets exist read them here, so they list
 exactly what ``conf/`` holds (plus any folder added to Hydra's search path) and never go stale.
-Imports nothing of uqbench.
+Imports nothing of uqbench but its error kinds (:mod:`uqbench.errors`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import yaml
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+
+from uqbench.errors import USER_ERRORS
 
 # --- run identity: the run folder ------------------------------------------------------------
 # Overrides that cannot change a run's result, or that its path already shows.
@@ -106,9 +108,6 @@ def _run_dir(runs_dir: Any, subdir: str) -> str:
 OmegaConf.register_new_resolver("uq.run_subdir", _run_subdir, replace=True)
 OmegaConf.register_new_resolver("uq.run_dir", _run_dir, replace=True)
 
-# Errors that mean "the user's input is wrong": one line on stderr, no traceback.
-USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, PermissionError,
-               RuntimeError)
 
 
 def build(node: DictConfig | dict) -> Any:

@@ -30,8 +30,9 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from uqbench.configs import USER_ERRORS, build, check_types, check_value, options_where
+from uqbench.configs import build, check_types, check_value, options_where
 from uqbench.contracts import to_device
+from uqbench.errors import USER_ERRORS
 from uqbench.methods.base import Method
 from uqbench.records.loggers import Logger, NullLogger, RunLabels, log_results, run_labels
 from uqbench.records.results import group_choices, group_settings, run_header, write_stage

@@ -41,7 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from uqbench.configs import USER_ERRORS, build
+from uqbench.configs import build
+from uqbench.errors import USER_ERRORS
 from uqbench.records.loggers import log_results, run_labels
 from uqbench.records.results import write_stage
 from uqbench.records.runfolder import (
