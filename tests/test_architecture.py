@@ -101,8 +101,9 @@ def test_long_files_say_why_at_their_top():
     assert unexplained == []
 
 
-@pytest.mark.parametrize("module", ["metrics", "contracts", "errors", "identity", "runner.checkpoints",
-                                    "runner.fsdp", "records.loggers", "report.claims"])
+@pytest.mark.parametrize("module", ["metrics", "contracts", "errors", "identity",
+                                    "runner.checkpoints", "runner.fsdp", "records.loggers",
+                                    "report.claims"])
 def test_leaf_modules_import_nothing_of_the_project(module):
     assert GRAPH[f"uqbench.{module}"] == set()
 
