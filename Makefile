@@ -50,14 +50,14 @@ tables: $(STAMP)  ## Build every experiment's table from runs/**/results.json in
 	$(BIN)/uqbench-tables $(TABLES_ARGS)
 
 p1-tables: $(STAMP)  ## Every P1 table from the runs that exist, and which runs are missing
-	$(BIN)/python -m uqbench.report.sweeps --tables tables
+	$(BIN)/uqbench-sweeps --tables tables
 
 # BENCH_ARGS: e.g. "--parts bnn" or "--members 4 --models vit" for a shorter run
 BENCH_ARGS ?=
 
 bench: $(STAMP)  ## Speed and memory beside the anchors (fastbnns, torch-uncertainty) → tables/bench.md, .json
 	$(BIN)/pip install -q -c constraints.txt -e ".[bench]"
-	$(BIN)/python -m uqbench.bench --out tables $(BENCH_ARGS)
+	$(BIN)/uqbench-bench --out tables $(BENCH_ARGS)
 
 data: $(STAMP)  ## Fetch datasets: make data DATASETS="cifar100 sst2" (none given: show what is in the data root)
 	@if [ -z "$(DATASETS)" ]; then $(BIN)/uqbench-data list; \
@@ -89,7 +89,7 @@ p1-digits-lr: digits-pretrain  ## The digits benchmark's learning-rate grid (val
 		trainer.optimizer.lr=3e-4,1e-3,3e-3,1e-2 $(DIGITS_SWEEP)
 	$(BIN)/uqbench experiment=p1_digits_lr method=sve,svf trainer.decay_to=zero,init \
 		trainer.optimizer.lr=1e-2,3e-2,1e-1,3e-1 $(DIGITS_SWEEP)
-	$(BIN)/python -m uqbench.report.selection p1_digits_lr --metric val/nll \
+	$(BIN)/uqbench-select p1_digits_lr --metric val/nll \
 		--key trainer.optimizer.lr --key trainer.decay_to
 
 p1-digits: digits-pretrain  ## P1 on real digits: 6 methods x 3 backbone levels x 3 seeds, table and figures
