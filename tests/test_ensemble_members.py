@@ -20,7 +20,7 @@ from scipy.special import logsumexp, softmax
 from sklearn.metrics import roc_auc_score
 
 from tests.helpers import build_method, run_cli
-from uqbench.records.runfolder import identity
+from uqbench.identity import identity
 from uqbench.runner.combine import combine
 
 # Dropout off: it draws random numbers while training, from one stream in the one-process run
