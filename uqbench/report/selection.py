@@ -18,7 +18,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from uqbench.report.tables import get_path, load_results
+from uqbench.report.claims import get_path
+from uqbench.report.validation import load_results
 
 
 def choose(runs: list[dict], keys: list[str], metric: str) -> dict[str, dict[str, tuple]]:
@@ -34,7 +35,8 @@ def choose(runs: list[dict], keys: list[str], metric: str) -> dict[str, dict[str
     means: dict[str, dict[str, dict[Any, float]]] = defaultdict(lambda: defaultdict(dict))
     for (backbone, method, values), found in scores.items():
         means[backbone][method][values] = sum(found) / len(found)
-    return {backbone: {method: (min(candidates, key=candidates.get), dict(candidates))
+    return {backbone: {method: (min(candidates, key=lambda v: candidates[v]),
+                                dict(candidates))
                        for method, candidates in methods.items()}
             for backbone, methods in means.items()}
 
