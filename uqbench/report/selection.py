@@ -18,6 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from uqbench.errors import user_errors
 from uqbench.report.claims import get_path
 from uqbench.report.validation import load_results
 
@@ -46,6 +47,17 @@ def _show(values: tuple) -> str:
                     for v in values)
 
 
+def _chosen(runs_dir: Path, experiment: str, keys: list[str], metric: str
+            ) -> tuple[list[dict], dict[str, dict[str, tuple]]]:
+    """(the experiment's runs, :func:`choose`'s table), or a ValueError when nothing is chosen."""
+    runs = [r for r in load_results(runs_dir) if r.get("experiment") == experiment]
+    table = choose(runs, keys, metric)
+    if not table:
+        raise ValueError(f"no runs of experiment '{experiment}' with settings.{keys[0]} and "
+                         f"metrics.{metric} under {runs_dir}")
+    return runs, table
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m uqbench.report.selection", description=__doc__)
     parser.add_argument("experiment")
@@ -57,12 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                         default=Path(os.environ.get("UQBENCH_RUNS") or "runs"))
     args = parser.parse_args(argv)
     keys = args.key or ["trainer.optimizer.lr"]
-    runs = [r for r in load_results(args.runs) if r.get("experiment") == args.experiment]
-    table = choose(runs, keys, args.metric)
-    if not table:
-        print(f"error: no runs of experiment '{args.experiment}' with settings.{keys[0]} and "
-              f"metrics.{args.metric} under {args.runs}", file=sys.stderr)
-        return 2
+    with user_errors():
+        runs, table = _chosen(args.runs, args.experiment, keys, args.metric)
     names = [k.split(".")[-1] for k in keys]
     print(f"# chosen by lowest {args.metric} ({len(runs)} runs of {args.experiment}); "
           f"candidates as {'/'.join(names)}: score")
