@@ -34,7 +34,7 @@ def _name_fields(root: DictConfig) -> set[str]:
     fields = set()
     for group in ("method", "backbone", "dataset"):
         node = root.get(group)
-        name = node._get_node("name") if isinstance(node, DictConfig) else None
+        name = node._get_node("name") if isinstance(node, DictConfig) and "name" in node else None
         if name is not None:
             raw = str(name._value())  # unresolved: bnn_${method.variance}
             fields |= set(re.findall(r"\$\{([\w.]+)\}", raw))

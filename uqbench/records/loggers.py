@@ -237,8 +237,9 @@ class WandbLogger(Logger):
             self._report(f"W&B is unreachable ({why}); this run is recorded offline under "
                          f"{root / 'wandb'}: sync it later with `wandb sync`")
             mode = "offline"
-        # the whole config in the override syntax (the table layout is not a setting)
-        flat = flatten({k: v for k, v in config.items() if k not in ("table", "hydra")})
+        # the whole config in the override syntax (the table layout and the lookup tables are
+        # not settings: the values a run read from a lookup table are in its settings)
+        flat = flatten({k: v for k, v in config.items() if k not in ("table", "hydra", "lookup")})
         kwargs = dict(project=self.project, entity=self.entity, group=self.group or labels.group,
                       job_type=labels.job_type, tags=[*labels.tags, *self.tags],
                       name=labels.name, id=labels.id, resume="allow", dir=str(root),
