@@ -20,7 +20,7 @@ from scipy.special import logsumexp, softmax
 from sklearn.metrics import roc_auc_score
 
 from tests.helpers import build_method, run_cli
-from uqbench.records.runfolder import identity
+from uqbench.identity import identity
 from uqbench.runner.combine import combine
 
 # Dropout off: it draws random numbers while training, from one stream in the one-process run
@@ -283,7 +283,7 @@ def test_bad_members_are_refused_before_anything_is_built(compose_cfg, overrides
 
 
 def test_tables_leave_member_runs_to_their_ensemble(trained):
-    from uqbench.report.tables import load_results
+    from uqbench.report.validation import load_results
 
     runs = [r["run"] for r in load_results(trained["runs"])]
     assert runs == [json.loads((trained["joint"] / "results.json").read_text())["run"]]

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+
+import pytest
+
 from tests.helpers import run_cli
-from uqbench.configs import identity_overrides
+from uqbench.configs import group_options, identity_overrides
+from uqbench.identity import ADDED_KEYS, differences, identity, speed_options
 
 
 def test_identity_keeps_result_changing_overrides_only(compose_cfg):
@@ -36,38 +41,146 @@ def test_a_learning_rate_sweep_gives_one_folder_per_value(tmp_path):
     assert "skip_existing=true" in records[1].read_text()
 
 
-def test_the_engine_layout_is_bookkeeping_for_both_the_folder_and_the_identity():
-    from uqbench import configs
-    from uqbench.records import runfolder
+def _resolved(compose_cfg, overrides: list[str]) -> dict:
+    from omegaconf import OmegaConf
 
-    assert configs.ENGINE_LAYOUT == runfolder.ENGINE_LAYOUT
+    return OmegaConf.to_container(compose_cfg(overrides), resolve=True)
+
+
+def test_the_engine_layout_is_no_part_of_the_identity_nor_of_the_path(compose_cfg):
     stored = {"trainer": {"epochs": 3, "optimizer": {"lr": 0.1}}}  # stored before precision
     requested = {"trainer": {"epochs": 3, "optimizer": {"lr": 0.1}, "precision": "32",
                              "devices": 4, "strategy": "ddp", "accumulate": 2}}
-    assert runfolder.differences(stored, requested) == []
+    assert differences(stored, requested) == []
     requested["trainer"]["precision"] = "bf16-mixed"
-    assert runfolder.differences(stored, requested) == [
+    assert differences(stored, requested) == [
         "trainer.precision: '<absent>' (stored) → 'bf16-mixed' (requested)"]
+    overrides = ["trainer.devices=4", "trainer.accumulate=2", "trainer.epochs=2"]
+    assert identity_overrides(overrides, compose_cfg(overrides)) == ["trainer.epochs=2"]
 
 
-def test_speed_options_are_bookkeeping_for_both_the_folder_and_the_identity(compose_cfg):
+def test_methods_declare_their_own_speed_only_options():
+    from uqbench.methods.bnn import BayesianMLP
+    from uqbench.methods.mc_dropout import MCDropout
+    from uqbench.methods.sve import SVE
+
+    assert speed_options({"method": {"_target_": "uqbench.methods.bnn.BayesianMLP"}}) \
+        == BayesianMLP.speed_options == ("fused", "compile")
+    assert speed_options({"method": {"_target_": "uqbench.methods.sve.SVE"}}) \
+        == SVE.speed_options == ("cache_weights",)
+    assert not hasattr(MCDropout, "speed_options")
+    assert speed_options({"method": {"_target_": "uqbench.methods.mc_dropout.MCDropout"}}) == ()
+    # a class gone from the code (a run stored by another version) declares nothing
+    assert speed_options({"method": {"_target_": "uqbench.methods.gone.Gone"}}) == ()
+    assert speed_options({"seed": 0}) == ()
+
+
+def test_a_speed_option_is_identity_for_a_method_that_does_not_declare_it():
+    bnn = {"method": {"_target_": "uqbench.methods.bnn.BayesianMLP", "fused": True}}
+    other = {"method": {"_target_": "uqbench.methods.single.Single", "fused": True}}
+    assert "method.fused" not in identity(bnn)
+    assert identity(other)["method.fused"] is True
+
+
+def test_speed_options_are_no_part_of_the_identity_nor_of_the_path(compose_cfg):
+    bnn = "uqbench.methods.bnn.BayesianMLP"
+    stored = {"method": {"_target_": bnn, "variance": "embedded"}}  # before the fast paths
+    requested = {"method": {"_target_": bnn, "variance": "embedded", "fused": False,
+                            "compile": True}}
+    assert differences(stored, requested) == []
+    # a stored config without the class name still matches: the requested one names it
+    assert differences({"method": {"variance": "embedded", "fused": True}}, requested) == []
+    overrides = ["method.fused=false", "method.compile=true", "trainer.optimizer.lr=0.01"]
+    assert identity_overrides(overrides, compose_cfg(overrides)) == ["trainer.optimizer.lr=0.01"]
+    sve = ["method=sve", "backbone=tiny_vit", "dataset=fake_images", "method.cache_weights=false",
+           "method.members=2"]
+    assert identity_overrides(sve, compose_cfg(sve)) == []  # members: in the name sve_m2
+
+
+@pytest.mark.parametrize("method", group_options("method"))
+def test_stored_runs_of_every_method_stay_reusable(compose_cfg, method):
+    """A run stored before its method's speed-only options existed, or with other values of
+    them, is the same run; any other option changed is not."""
+    cfg = _resolved(compose_cfg, [f"method={method}"])
+    declared = speed_options(cfg)
+    older = copy.deepcopy(cfg)
+    for key in declared:
+        older["method"].pop(key, None)
+    assert differences(older, cfg) == []
+    flipped = copy.deepcopy(cfg)
+    for key in declared:
+        flipped["method"][key] = not cfg["method"].get(key)
+    assert differences(flipped, cfg) == []
+    assert identity(cfg) == identity(older)
+    changed = copy.deepcopy(cfg)
+    changed["method"]["name"] = "another"
+    assert differences(changed, cfg) == ["method.name: 'another' (stored) → "
+                                         f"{cfg['method']['name']!r} (requested)"]
+
+
+def test_the_identity_is_defined_once():
+    """configs and the run folder read the one definition; neither holds a copy."""
     from uqbench import configs
     from uqbench.records import runfolder
 
-    assert configs.SPEED_OPTIONS == runfolder.SPEED_OPTIONS
-    stored = {"method": {"variance": "embedded"}}  # a BNN run stored before the fast paths
-    requested = {"method": {"variance": "embedded", "fused": False, "compile": True}}
-    assert runfolder.differences(stored, requested) == []
-    overrides = ["method.fused=false", "method.compile=true", "trainer.optimizer.lr=0.01"]
-    assert identity_overrides(overrides, compose_cfg(overrides)) == ["trainer.optimizer.lr=0.01"]
+    for module in (configs, runfolder):
+        for name in ("BOOKKEEPING", "ENGINE_LAYOUT", "SPEED_OPTIONS", "ADDED_KEYS", "identity"):
+            assert not hasattr(module, name), f"{module.__name__}.{name}"
+    assert runfolder.differences is differences
+
+
+def test_a_lookup_table_is_no_part_of_the_identity(compose_cfg):
+    """p1_digits reads its learning rates from lookup.digits_recipe: another entry edited
+    leaves a run reusable, the entry the run read is in its resolved lr."""
+    overrides = ["experiment=p1_digits", "backbone=digits_vit_weak", "method=single"]
+    cfg = _resolved(compose_cfg, overrides)
+    assert cfg["trainer"]["optimizer"]["lr"] == 0.003  # the YAML's entry for weak × single
+    assert not any(k.startswith("lookup") for k in identity(cfg))
+    edited = _resolved(compose_cfg, [*overrides,
+                                     "lookup.digits_recipe.digits_vit_weak.svf.lr=0.5"])
+    assert differences(cfg, edited) == []
+    used = _resolved(compose_cfg, [*overrides,
+                                   "lookup.digits_recipe.digits_vit_weak.single.lr=0.5"])
+    assert differences(cfg, used) == [
+        "trainer.optimizer.lr: 0.003 (stored) → 0.5 (requested)"]
+    # a lookup override may change what the run reads: it names its own folder
+    assert identity_overrides(["lookup.digits_recipe.digits_vit_weak.single.lr=0.5"],
+                              compose_cfg(overrides)) == [
+        "lookup.digits_recipe.digits_vit_weak.single.lr=0.5"]
+
+
+def test_runs_stored_before_the_lookup_rule_stay_reusable(compose_cfg):
+    """Runs of p1_digits stored digits_recipe at the top level (and p1_digits_rank its
+    digits_rank_recipe): the same run as today's config, even with an entry since edited."""
+    for experiment, table in (("p1_digits", "digits_recipe"),
+                              ("p1_digits_rank", "digits_rank_recipe")):
+        cfg = _resolved(compose_cfg, [f"experiment={experiment}"])
+        stored = copy.deepcopy(cfg)
+        stored[table] = copy.deepcopy(stored.pop("lookup")[table])
+        stored[table]["digits_vit_weak"] = {"an": "older entry"}
+        assert "lookup" not in stored and differences(stored, cfg) == []
+
+
+def test_the_table_layout_is_no_part_of_the_identity_nor_of_the_path(compose_cfg):
+    cfg = _resolved(compose_cfg, ["experiment=p1_digits"])
+    edited = copy.deepcopy(cfg)
+    edited["table"]["title"] = "another title"
+    assert differences(cfg, edited) == []
+    overrides = ["experiment=p1_digits", "table.title=another"]
+    assert identity_overrides(["table.title=another"], compose_cfg(overrides)) == []
+
+
+def test_added_keys_take_the_value_older_runs_used():
+    assert ADDED_KEYS == {"trainer.precision": "32", "method.rank": None,
+                          "method.masks": "torch"}
+    assert differences({"trainer": {}}, {"trainer": {"precision": "32"}}) == []
+    assert differences({"trainer": {}}, {"trainer": {"precision": "16-mixed"}}) != []
 
 
 def test_mc_dropout_runs_stored_before_the_mask_option_drew_torch_masks():
-    from uqbench.records import runfolder
-
     stored = {"method": {"samples": 4, "p": 0.1}}
     old = {"method": {"samples": 4, "p": 0.1, "masks": "torch"}}
     new = {"method": {"samples": 4, "p": 0.1, "masks": "fast"}}
-    assert runfolder.differences(stored, old) == []
-    assert runfolder.differences(stored, new) == [
+    assert differences(stored, old) == []
+    assert differences(stored, new) == [
         "method.masks: '<absent>' (stored) → 'fast' (requested)"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from uqbench.report.selection import choose, main
 
 
@@ -31,5 +33,7 @@ def test_several_keys_are_chosen_together():
 
 
 def test_no_runs_is_a_clear_error(tmp_path, capsys):
-    assert main(["nothing", "--runs", str(tmp_path)]) == 2
-    assert "no runs of experiment 'nothing'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["nothing", "--runs", str(tmp_path)])
+    assert exit_.value.code == 1
+    assert capsys.readouterr().err.startswith("error: no runs of experiment 'nothing'")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from uqbench.report.sweeps import expected_runs, main, report, sweep_jobs
 
 
@@ -25,6 +27,9 @@ def test_report_counts_finished_runs_and_names_the_missing(tmp_path, capsys):
 
 
 def test_unknown_experiment_is_refused_with_the_choices(capsys):
-    assert main(["p1_nope", "--runs", "/nonexistent"]) == 2
+    with pytest.raises(SystemExit) as exit_:
+        main(["p1_nope", "--runs", "/nonexistent"])
+    assert exit_.value.code == 1
     err = capsys.readouterr().err
+    assert err.startswith("error: unknown experiment(s) p1_nope; valid: ")
     assert "p1_nope" in err and "p1_flowers102" in err

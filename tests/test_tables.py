@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from uqbench.errors import HINT
 from uqbench.report.tables import main
 
 SPEC = {
@@ -182,11 +184,14 @@ def test_a_run_without_the_figure_x_still_counts(runs, capsys):
 def test_an_experiment_with_only_bad_files_keeps_its_clear_error(runs, tmp_path, capsys):
     bad = write(runs / "other" / "seed0" / "results.json", _without("metrics") | {
         "experiment": "other"})
-    with pytest.raises(SystemExit, match="no valid results with a table for experiment "
-                                         "'other'.*experiments found: toy"):
+    with pytest.raises(SystemExit) as exit_:
         main(["--runs", str(runs), "--out", str(tmp_path / "tables"), "--experiment", "other"])
+    assert exit_.value.code == 1
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and f"skipping {bad}: lacks metrics" in err[0]
+    assert f"skipping {bad}: lacks metrics" in err[0]
+    assert re.fullmatch(r"error: no valid results with a table for experiment 'other'.*"
+                        r"experiments found: toy\)", err[1])
+    assert err[2:] == [HINT]  # one warning, one error line, the hint: nothing else
 
 
 def test_a_runs_folder_without_valid_results_says_so_and_writes_nothing(tmp_path, capsys):

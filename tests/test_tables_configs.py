@@ -9,7 +9,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from uqbench.configs import group_options
-from uqbench.report.tables import _has_path, check_results
+from uqbench.report.building import has_path
+from uqbench.report.validation import check_results
 from uqbench.runner.cli import run
 
 EXPERIMENTS = group_options("experiment")
@@ -84,5 +85,5 @@ def test_every_figure_key_is_one_a_real_run_writes(specs, tiny_results):
                 value = figure.get(group)
                 keys += value if isinstance(value, list) else [value]
             for key in filter(None, keys):
-                assert _has_path(results, key), f"{exp} figure '{name}' reads {key}, which a run " \
+                assert has_path(results, key), f"{exp} figure '{name}' reads {key}, which a run " \
                                            f"does not write"

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from uqbench.report.tables import latex_text, main
+from uqbench.report.latex import latex_text
+from uqbench.report.tables import main
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from uqbench.report.tables import build_table, main
+from uqbench.report.building import build_table
+from uqbench.report.tables import main
 
 SPEC = {
     "title": "Toy — NLL vs width (σ, ±)",

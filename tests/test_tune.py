@@ -165,7 +165,7 @@ def test_the_declared_metric_names_are_the_ones_the_tasks_compute():
 def test_the_objective_is_not_part_of_a_runs_identity(compose_cfg):
     """Choosing what a sweeper reads changes no result: same folder, same stored run."""
     from uqbench.configs import identity_overrides
-    from uqbench.records.runfolder import differences
+    from uqbench.identity import differences
 
     a = compose_cfg(["objective=val/nll"])
     b = compose_cfg(["objective=val/rmse"])

@@ -254,7 +254,7 @@ def test_a_nan_metric_marks_the_run_failed(tmp_path):
         assert recorder.summary["params/total"] == 3 and recorder.summary["test/acc"] == 0.5
 
 
-def test_tables_are_logged_as_one_wandb_run_per_experiment(tmp_path):
+def test_tables_are_logged_as_one_wandb_run_per_experiment(tmp_path, capsys):
     """`uqbench-tables --wandb`: the experiment's table (the rows of the Markdown table) and
     numbers as W&B tables, its figures, in a `tables` run beside the experiment's runs."""
     import pandas as pd
@@ -281,6 +281,9 @@ def test_tables_are_logged_as_one_wandb_run_per_experiment(tmp_path):
     assert [row[mean] for row in logged["data"]] == pytest.approx(csv["NLL mean"].tolist())
     (record,) = [r["run"] for r in _inspect(offline, summary=False) if r.get("type") == "run"]
     assert record["job_type"] == "tables" and record["run_group"] == "toy"
-    with pytest.raises(SystemExit, match="--wandb-mode 'onlin' is not one of"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
         tables_main(["--runs", str(runs), "--out", str(out), "--wandb", "--wandb-mode",
                      "onlin"])
+    assert exit_.value.code == 1
+    assert capsys.readouterr().err.startswith("error: --wandb-mode 'onlin' is not one of")

@@ -5,7 +5,8 @@ lists a config group's options for error messages.
 
 Errors that tell a user which backbones, methods or datasets exist read them here, so they list
 exactly what ``conf/`` holds (plus any folder added to Hydra's search path) and never go stale.
-Imports nothing of uqbench but its error kinds (:mod:`uqbench.errors`).
+Imports nothing of uqbench but its error kinds (:mod:`uqbench.errors`) and what makes two runs
+the same run (:mod:`uqbench.identity`).
 """
 
 from __future__ import annotations
@@ -19,21 +20,10 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from uqbench.errors import USER_ERRORS
+from uqbench.identity import kept_apart_override, speed_options
 
 # --- run identity: the run folder ------------------------------------------------------------
-# Overrides that cannot change a run's result, or that its path already shows.
-BOOKKEEPING = {"seed", "run_name", "experiment", "experiment_name", "skip_existing",
-               "overwrite", "save_predictions", "plot", "device", "torch_threads", "method",
-               "backbone", "dataset", "eval_run", "objective"}
-# The engine's layout (how many processes, micro-batches, checkpoints) lays the same
-# computation out on other hardware: a run resumed on another GPU count keeps its folder.
-ENGINE_LAYOUT = ("strategy", "devices", "num_nodes", "accumulate", "activation_checkpointing",
-                 "checkpoint_every", "keep_checkpoint", "progress")
-# Method options that change how, not what, is computed (uqbench.records.runfolder.SPEED_OPTIONS).
-SPEED_OPTIONS = ("fused", "compile", "cache_weights")
-BOOKKEEPING_PREFIXES = ("paths", "logger", "hydra", "resume",
-                        *(f"trainer.{k}" for k in ENGINE_LAYOUT),
-                        *(f"method.{k}" for k in SPEED_OPTIONS))
+# What makes two runs the same run is defined in uqbench.identity; the folder's path shows it.
 
 
 def _name_fields(root: DictConfig) -> set[str]:
@@ -44,8 +34,9 @@ def _name_fields(root: DictConfig) -> set[str]:
     fields = set()
     for group in ("method", "backbone", "dataset"):
         node = root.get(group)
-        if isinstance(node, DictConfig) and "name" in node:
-            raw = str(node._get_node("name")._value())
+        name = node._get_node("name") if isinstance(node, DictConfig) and "name" in node else None
+        if name is not None:
+            raw = str(name._value())  # unresolved: bnn_${method.variance}
             fields |= set(re.findall(r"\$\{([\w.]+)\}", raw))
     return fields
 
@@ -54,20 +45,24 @@ def identity_overrides(overrides: list[str], root: DictConfig) -> list[str]:
     """The command-line (or sweep) overrides that change a run's result and that its path does
     not already show, sorted: each makes the run a different one."""
     shown = _name_fields(root)
+    method = root.get("method")
+    speed = speed_options({"method": {"_target_": method.get("_target_")}}
+                          if isinstance(method, DictConfig) else {})
     keep = []
     for override in overrides:
         key = override.split("=", 1)[0].lstrip("+~")
-        head = key.replace("/", ".").split(".")[0]  # hydra/launcher=joblib → hydra
         if override.lstrip("+") == "job=eval":
             continue  # scoring names the run it scores; it has no folder of its own
-        if (key in BOOKKEEPING or key in shown or key.endswith(".name") or head == "hydra"
-                or any(key == p or key.startswith(p + ".") for p in BOOKKEEPING_PREFIXES)):
+        # hydra/launcher=joblib → hydra.launcher
+        if key in shown or key.endswith(".name") or kept_apart_override(key.replace("/", "."),
+                                                                        speed):
             continue
         keep.append(override.lstrip("+"))
     return sorted(keep)
 
 
-def _run_subdir(run_name, experiment, dataset, method, backbone, seed, *, _root_) -> str:
+def _run_subdir(run_name: Any, experiment: Any, dataset: Any, method: Any, backbone: Any,
+                seed: Any, *, _root_: DictConfig) -> str:
     """The run folder below paths.runs_dir: <run_name>, or
     <experiment>/<dataset>/<method>/<backbone>[/<overrides>]/seed<seed>, where <overrides> are
     the job's identity overrides (e.g. ``trainer.optimizer.lr=0.01``) joined by commas."""
@@ -110,7 +105,7 @@ OmegaConf.register_new_resolver("uq.run_dir", _run_dir, replace=True)
 
 
 
-def build(node: DictConfig | dict) -> Any:
+def build(node: DictConfig | dict[str, Any]) -> Any:
     """Hydra-instantiate a config node; a user error raised by the constructor is re-raised
     as itself (Hydra wraps it in an InstantiationException) so that it prints as one line."""
     try:

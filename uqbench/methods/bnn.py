@@ -133,6 +133,7 @@ class BayesianMLP(Method):
     """
 
     task = "regression"
+    speed_options: tuple[str, ...] = ("fused", "compile")  # not part of a run's identity
 
     def __init__(self, backbone: Any, info: DataInfo, name: str = "bnn",
                  variance: str = "embedded", inference: str = "moments", mc_samples: int = 200,

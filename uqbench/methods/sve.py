@@ -342,6 +342,8 @@ class SVE(EnsembleMethod):
     Trains each wrapped layer's sve_s and sve_bias and the heads.
     """
 
+    speed_options: tuple[str, ...] = ("cache_weights",)  # not part of a run's identity
+
     def __init__(self, backbone: Any, info: DataInfo, members: int = 4,
                  sigma_init: float = 0.01, forward_mode: str = "auto",
                  targets: str | Sequence[str] | None = None, pretrained_decay: float = 0.0,

@@ -4,6 +4,11 @@ The runner describes each run once (:func:`run_labels`): a stable id derived fro
 folder, a group that gathers a setting's seeds, the job type, tags from the chosen config
 options and flat keys to filter by. A tracker files the run under those labels; the run folder
 stays the record (tables never read a tracker).
+
+Longer than uqbench's other modules because every run stores the class paths of its tracker
+(``logger._target_: uqbench.records.loggers.WandbLogger`` in config.yaml) and jobs that
+continue, score or combine finished runs build it from there: the W&B logger stays beside the
+interface it implements, under the path those runs name.
 """
 
 from __future__ import annotations
@@ -17,12 +22,13 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 from urllib.parse import urlparse
 
 log = logging.getLogger("uqbench")
 
-MODES = ("online", "offline", "disabled")
+Mode = Literal["online", "offline", "disabled"]
+MODES: tuple[Mode, ...] = ("online", "offline", "disabled")
 # W&B refuses these in a project name; entities (users, teams) are letters, digits, - and _
 PROJECT_FORBIDDEN = set('/\\#?%:')
 ENTITY_PATTERN = re.compile(r"[A-Za-z0-9_-]+")
@@ -231,8 +237,9 @@ class WandbLogger(Logger):
             self._report(f"W&B is unreachable ({why}); this run is recorded offline under "
                          f"{root / 'wandb'}: sync it later with `wandb sync`")
             mode = "offline"
-        # the whole config in the override syntax (the table layout is not a setting)
-        flat = flatten({k: v for k, v in config.items() if k not in ("table", "hydra")})
+        # the whole config in the override syntax (the table layout and the lookup tables are
+        # not settings: the values a run read from a lookup table are in its settings)
+        flat = flatten({k: v for k, v in config.items() if k not in ("table", "hydra", "lookup")})
         kwargs = dict(project=self.project, entity=self.entity, group=self.group or labels.group,
                       job_type=labels.job_type, tags=[*labels.tags, *self.tags],
                       name=labels.name, id=labels.id, resume="allow", dir=str(root),
@@ -249,7 +256,7 @@ class WandbLogger(Logger):
         import wandb
 
         try:
-            return wandb.init(mode=mode, settings=wandb.Settings(
+            return wandb.init(mode=cast(Mode, mode), settings=wandb.Settings(  # check()ed
                 init_timeout=self.timeout_s, silent=True, console="off"), **kwargs)
         except Exception as err:  # noqa: BLE001 - a tracker never fails a run
             self._report(f"W&B did not start in {mode} mode ({type(err).__name__}: "

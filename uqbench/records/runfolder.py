@@ -11,8 +11,8 @@
   exchange is not available (not Linux, or a filesystem without it), the old folder is renamed
   aside first and restored by the next job if the swap was cut short.
 - **Reuse only the same configuration.** ``skip_existing`` and ``overwrite`` act only when the
-  stored resolved config equals the requested one (bookkeeping keys aside); otherwise the job is
-  refused with the difference.
+  stored resolved config is the same run as the requested one (:mod:`uqbench.identity`);
+  otherwise the job is refused with the difference.
 """
 
 from __future__ import annotations
@@ -29,22 +29,9 @@ from typing import Any
 
 import yaml
 
+from uqbench.identity import differences
+
 PUBLISHED = ("config.yaml", "results.json", "predictions", "figure.png", "checkpoint.ckpt", "eval")
-# Keys of the resolved config that cannot change a result (where and how a run is kept/shown).
-BOOKKEEPING = ("paths", "skip_existing", "overwrite", "save_predictions", "plot", "device",
-               "torch_threads", "logger", "run_dir", "run_subdir", "run_name", "hydra", "table",
-               "resume", "eval_run", "objective")
-# The engine's layout: the same computation on other hardware (uqbench.configs.ENGINE_LAYOUT).
-ENGINE_LAYOUT = ("strategy", "devices", "num_nodes", "accumulate", "activation_checkpointing",
-                 "checkpoint_every", "keep_checkpoint", "progress")
-# Method options that choose how the same numbers are computed (fused or compiled moment
-# passes, SVE's cached member weights), as device does: not part of a run's identity
-# (uqbench.configs.SPEED_OPTIONS).
-SPEED_OPTIONS = ("fused", "compile", "cache_weights")
-# Keys added to the config since runs were first stored, with the value the older runs used.
-# rank: null is SVE as it always was; MC-Dropout's earlier runs drew nn.Dropout's masks (the
-# fast masks draw other numbers for a seed, so those runs are another configuration).
-ADDED_KEYS = {"trainer.precision": "32", "method.rank": None, "method.masks": "torch"}
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 
 
@@ -189,39 +176,6 @@ def recover(run_dir: Path) -> list[Path]:
 
 
 # --- reuse only the same configuration ------------------------------------------------------------
-
-def identity(config: dict[str, Any]) -> dict[str, Any]:
-    """The resolved config without its bookkeeping keys, flattened to dotted keys."""
-    flat: dict[str, Any] = {}
-
-    def walk(node: Any, prefix: str) -> None:
-        if isinstance(node, dict):
-            for k, v in node.items():
-                if ((not prefix and k in BOOKKEEPING) or str(k).startswith("_")
-                        or (prefix == "trainer." and k in ENGINE_LAYOUT)
-                        or (prefix == "method." and k in SPEED_OPTIONS)):
-                    continue  # bookkeeping, Hydra's keys, the engine's layout, speed options
-                walk(v, f"{prefix}{k}.")
-        else:
-            flat[prefix[:-1]] = node
-
-    walk(config, "")
-    return flat
-
-
-def differences(stored: dict[str, Any], requested: dict[str, Any], limit: int = 8) -> list[str]:
-    """``key: stored → requested`` for each identity key that differs."""
-    a, b = identity(stored), identity(requested)
-    # a key one side lacks counts as null, or as the value that reproduces the runs stored
-    # before the key existed: a newer config may add options
-    def value(flat: dict[str, Any], key: str) -> Any:
-        return flat.get(key, ADDED_KEYS.get(key))
-
-    keys = sorted(k for k in set(a) | set(b) if value(a, k) != value(b, k))
-    lines = [f"{k}: {a.get(k, '<absent>')!r} (stored) → {b.get(k, '<absent>')!r} (requested)"
-             for k in keys[:limit]]
-    return lines + ([f"… and {len(keys) - limit} more"] if len(keys) > limit else [])
-
 
 def reuse(run_dir: Path, requested: dict[str, Any], overwrite: bool, skip_existing: bool,
           flags: tuple[str, str, str] = ("overwrite=true", "skip_existing=true",

@@ -105,7 +105,7 @@ def _value(run: Run, key: str | list[str]) -> float | None:
 def _per_seed(runs: list[Run], rows: list[dict], sel: dict, key: Any) -> dict[int, float]:
     """{seed: value} of the runs whose row values match ``sel`` (matched as strings)."""
     by_title = {r["title"]: r["key"] for r in rows}
-    out = {}
+    out: dict[int, float] = {}
     for run in runs:
         if all(str(get_path(run, by_title[t])) == str(v) for t, v in sel.items()):
             value = _value(run, key)

@@ -18,7 +18,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from uqbench.report.tables import get_path, load_results
+from uqbench.errors import user_errors
+from uqbench.report.claims import get_path
+from uqbench.report.validation import load_results
 
 
 def choose(runs: list[dict], keys: list[str], metric: str) -> dict[str, dict[str, tuple]]:
@@ -34,7 +36,8 @@ def choose(runs: list[dict], keys: list[str], metric: str) -> dict[str, dict[str
     means: dict[str, dict[str, dict[Any, float]]] = defaultdict(lambda: defaultdict(dict))
     for (backbone, method, values), found in scores.items():
         means[backbone][method][values] = sum(found) / len(found)
-    return {backbone: {method: (min(candidates, key=candidates.get), dict(candidates))
+    return {backbone: {method: (min(candidates, key=lambda v: candidates[v]),
+                                dict(candidates))
                        for method, candidates in methods.items()}
             for backbone, methods in means.items()}
 
@@ -42,6 +45,17 @@ def choose(runs: list[dict], keys: list[str], metric: str) -> dict[str, dict[str
 def _show(values: tuple) -> str:
     return "/".join("-" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
                     for v in values)
+
+
+def _chosen(runs_dir: Path, experiment: str, keys: list[str], metric: str
+            ) -> tuple[list[dict], dict[str, dict[str, tuple]]]:
+    """(the experiment's runs, :func:`choose`'s table), or a ValueError when nothing is chosen."""
+    runs = [r for r in load_results(runs_dir) if r.get("experiment") == experiment]
+    table = choose(runs, keys, metric)
+    if not table:
+        raise ValueError(f"no runs of experiment '{experiment}' with settings.{keys[0]} and "
+                         f"metrics.{metric} under {runs_dir}")
+    return runs, table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,12 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                         default=Path(os.environ.get("UQBENCH_RUNS") or "runs"))
     args = parser.parse_args(argv)
     keys = args.key or ["trainer.optimizer.lr"]
-    runs = [r for r in load_results(args.runs) if r.get("experiment") == args.experiment]
-    table = choose(runs, keys, args.metric)
-    if not table:
-        print(f"error: no runs of experiment '{args.experiment}' with settings.{keys[0]} and "
-              f"metrics.{args.metric} under {args.runs}", file=sys.stderr)
-        return 2
+    with user_errors():
+        runs, table = _chosen(args.runs, args.experiment, keys, args.metric)
     names = [k.split(".")[-1] for k in keys]
     print(f"# chosen by lowest {args.metric} ({len(runs)} runs of {args.experiment}); "
           f"candidates as {'/'.join(names)}: score")

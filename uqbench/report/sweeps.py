@@ -21,6 +21,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from uqbench.configs import group_options
+from uqbench.errors import user_errors
 
 P1_EXPERIMENTS = ("p1_overhead", "p1_flowers102", "p1_oxford_pets", "p1_dtd", "p1_sst2",
                   "p1_arc_easy", "p1_cifar100", "p1_cifar100_c", "p1_backbone_ablation",
@@ -85,17 +86,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tables", type=Path, default=None,
                         help="also build the tables of experiments with results into this folder")
     args = parser.parse_args(argv)
-    unknown = [e for e in args.experiments if e not in group_options("experiment")]
-    if unknown:
-        print(f"error: unknown experiment(s) {unknown}; valid: "
-              f"{', '.join(group_options('experiment'))}", file=sys.stderr)
-        return 2
-    with_results = [e for e in args.experiments if report(e, args.runs)[0] > 0]
-    if args.tables is not None and with_results:
-        from uqbench.report.tables import write_tables
+    with user_errors():
+        unknown = [e for e in args.experiments if e not in group_options("experiment")]
+        if unknown:
+            raise ValueError(f"unknown experiment(s) {', '.join(unknown)}; valid: "
+                             f"{', '.join(group_options('experiment'))}")
+        with_results = [e for e in args.experiments if report(e, args.runs)[0] > 0]
+        if args.tables is not None and with_results:
+            from uqbench.report.tables import write_tables
 
-        for path in write_tables(args.runs, args.tables, with_results).values():
-            print(f"→ {path}")
+            for path in write_tables(args.runs, args.tables, with_results).values():
+                print(f"→ {path}")
     return 0
 
 

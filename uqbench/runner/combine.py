@@ -43,12 +43,12 @@ import numpy as np
 
 from uqbench.configs import build
 from uqbench.errors import USER_ERRORS
+from uqbench.identity import identity
 from uqbench.records.loggers import log_results, run_labels
 from uqbench.records.results import write_stage
 from uqbench.records.runfolder import (
     RunLock,
     finished,
-    identity,
     new_stage,
     publish,
     recover,
