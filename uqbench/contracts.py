@@ -7,7 +7,7 @@ it without depending on one another (tests/test_architecture.py enforces the imp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -35,6 +35,26 @@ class DataInfo:
     num_train_batches: int = 1
     multiple_choice: bool = False
     answer_token_ids: list[int] | None = None
+
+
+class InputBackbone(Protocol):
+    """What a dataset reads of the backbone it feeds (data never imports the backbones, whose
+    base class declares these hooks with their defaults; see docs/extending.md)."""
+
+    name: str
+    modality: str  # image | text | tabular: the inputs the encoder takes
+    max_length: int | None  # tokens per text example; None: not a text backbone
+    pretrain_split_seed: int | None  # the digits split the weights were pretrained on
+
+    @property
+    def dynamic_image_size(self) -> bool:
+        """Whether the encoder takes images of any size."""
+
+    def data_config(self) -> dict[str, Any] | None:
+        """Image preprocessing (input_size, mean, std, crop_pct, interpolation) or None."""
+
+    def tokenizer(self) -> Any:
+        """The Hugging Face tokenizer of a text backbone; None for the others."""
 
 
 @dataclass

@@ -252,7 +252,7 @@ class HFEncoder(Backbone):
                                hidden=int(config.hidden_size),
                                heads=int(config.num_attention_heads), tokens=self.max_length)
 
-    def tokenizer(self):
+    def tokenizer(self) -> Any:
         """A Hugging Face tokenizer (with a pad token) for this backbone, loaded offline."""
         from transformers import AutoTokenizer
 

@@ -39,6 +39,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset, TensorDataset
 
+from uqbench.contracts import InputBackbone
 from uqbench.data.base import resolve_names
 from uqbench.data.cifar import resolve_severities
 from uqbench.data.image_base import ArrayImageDataset, ImageDataModule
@@ -202,8 +203,8 @@ class DigitsData(ImageDataModule):
         if self.corruptions:
             corruption_names()  # the library imports
 
-    def setup(self, backbone: Any = None) -> None:
-        pretrained_on = getattr(backbone, "pretrain_split_seed", None)
+    def setup(self, backbone: InputBackbone | None = None) -> None:
+        pretrained_on = None if backbone is None else backbone.pretrain_split_seed
         if pretrained_on is not None and int(pretrained_on) != self.split_seed:
             raise ValueError(
                 f"backbone '{backbone.name}' was pretrained on the digits split with "

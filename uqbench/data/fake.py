@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from uqbench.contracts import DataInfo
+from uqbench.contracts import DataInfo, InputBackbone
 from uqbench.data.base import DataModule, check_image_size, check_modality
 
 SPLITS = ("train", "val", "test", "ood")
@@ -76,7 +76,7 @@ class FakeImages(_FakeData):
         self.signal = float(signal)
         self.shape: tuple[int, int, int] | None = None
 
-    def setup(self, backbone: Any = None) -> None:
+    def setup(self, backbone: InputBackbone | None = None) -> None:
         if backbone is None and self.image_size is not None:  # the data alone (tests, figures)
             self.shape = (3, self.image_size, self.image_size)
         else:
@@ -145,7 +145,7 @@ class FakeText(_FakeData):
             labels.append(y)
         return texts, labels
 
-    def setup(self, backbone: Any = None) -> None:
+    def setup(self, backbone: InputBackbone | None = None) -> None:
         check_modality(self.name, backbone, "text")
         tok = backbone.tokenizer()
         self._datasets = {}

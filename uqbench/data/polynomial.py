@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from uqbench.contracts import DataInfo
+from uqbench.contracts import DataInfo, InputBackbone
 from uqbench.data.base import DataModule
 
 SPLITS = ("train", "val", "test", "ood")
@@ -82,7 +82,7 @@ class PolynomialData(DataModule):
         u = (left + right) * torch.rand(n, 1, generator=gen, dtype=torch.float64)
         return torch.where(u < left, olo + u, hi + (u - left))
 
-    def setup(self, backbone: Any = None) -> None:
+    def setup(self, backbone: InputBackbone | None = None) -> None:
         gen = torch.Generator().manual_seed(self.seed)
         for split in SPLITS:
             x = self._inputs(split, self.sizes[split], gen)

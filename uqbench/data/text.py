@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from uqbench.contracts import InputBackbone
 from uqbench.data.base import check_modality
 from uqbench.data.layout import LAYOUTS, DatasetCorruptError, hf_split_files
 from uqbench.data.splits import ListDataset, SplitDataModule, holdout_split
@@ -78,11 +79,9 @@ class SentenceCollator:
 
 # --- the datasets -------------------------------------------------------------------------------
 
-def backbone_tokenizer(backbone: Any, dataset: str) -> Any:
+def backbone_tokenizer(backbone: InputBackbone | None, dataset: str) -> Any:
     """The text backbone's Hugging Face tokenizer; any other backbone is refused by name."""
-    check_modality(dataset, backbone, "text")
-    get = backbone.tokenizer
-    return get if hasattr(get, "pad_token_id") else get()  # a tokenizer attribute or a method
+    return check_modality(dataset, backbone, "text").tokenizer()
 
 
 class TextDataModule(SplitDataModule):
@@ -97,10 +96,11 @@ class TextDataModule(SplitDataModule):
         self.tokenizer: Any = None
         self.max_length = DEFAULT_MAX_LENGTH
 
-    def setup(self, backbone: Any = None) -> None:
+    def setup(self, backbone: InputBackbone | None = None) -> None:
         self.check()
         self.tokenizer = backbone_tokenizer(backbone, self.name)
-        self.max_length = int(self.max_length_override or getattr(backbone, "max_length", None)
+        assert backbone is not None  # backbone_tokenizer refuses None
+        self.max_length = int(self.max_length_override or backbone.max_length
                               or DEFAULT_MAX_LENGTH)
         self._datasets = self.build()
         self.collate_fn = self.make_collate()

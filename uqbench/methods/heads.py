@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import nn
+
+from uqbench.backbones.base import Backbone
 
 HEAD_INITS = ("default", "p1")
 
@@ -85,13 +86,11 @@ class EnsembleHead(nn.Module):
         return f"sets={S}, in_features={D}, outputs={C}"
 
 
-def answer_rows(backbone: Any, token_ids: Sequence[int] | None) -> torch.Tensor | None:
+def answer_rows(backbone: Backbone, token_ids: Sequence[int] | None) -> torch.Tensor | None:
     """The causal LM's output-embedding rows (C, D) of the answer tokens, or None.
 
     None when the data is not answered by next tokens (``token_ids`` None) or the backbone is
-    not a causal LM (it has no ``output_rows``, or that returns None). Call after
+    not a causal LM (its ``output_rows`` returns None). Call after
     ``backbone.build()``: the rows are read from the built model.
     """
-    if token_ids is None or not callable(getattr(backbone, "output_rows", None)):
-        return None
-    return backbone.output_rows(token_ids)
+    return None if token_ids is None else backbone.output_rows(token_ids)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from uqbench.backbones.base import Backbone
 from uqbench.configs import options_with
 
 Inputs = torch.Tensor | dict[str, torch.Tensor]
@@ -129,17 +130,17 @@ def matches(name: str, suffix: str) -> bool:
     return name == suffix or name.endswith("." + suffix)
 
 
-def resolve_targets(backbone: Any, targets: str | Sequence[str] | None, method: str) -> list[str]:
+def resolve_targets(backbone: Backbone, targets: str | Sequence[str] | None,
+                    method: str) -> list[str]:
     """The module-name suffixes a method adapts.
 
     targets: null or "all" → ``backbone.targets``; "attention" → ``backbone.attention_targets``;
     a list → used as given (``method.targets=[q_proj,v_proj]``).
     """
-    name = getattr(backbone, "name", type(backbone).__name__)
     if targets is None or targets == "all":
-        chosen, field = list(getattr(backbone, "targets", ()) or ()), "targets"
+        chosen, field = list(backbone.targets), "targets"
     elif targets == "attention":
-        chosen, field = list(getattr(backbone, "attention_targets", ()) or ()), "attention_targets"
+        chosen, field = list(backbone.attention_targets), "attention_targets"
     elif isinstance(targets, str):
         raise ValueError(f"method.targets '{targets}' is not one of: null, all, attention, or a "
                          f"list of module-name suffixes such as [qkv,proj]")
@@ -148,9 +149,9 @@ def resolve_targets(backbone: Any, targets: str | Sequence[str] | None, method: 
     if not chosen:
         where = f"backbone.{field} is empty" if field else "method.targets is empty"
         raise ValueError(
-            f"method '{method}' adapts pretrained linear layers, but backbone '{name}' declares "
-            f"none ({where}). Pick a backbone that declares targets ({wrappable_backbones()}) "
-            f"or set method.targets=[<module-name suffixes>]")
+            f"method '{method}' adapts pretrained linear layers, but backbone "
+            f"'{backbone.name}' declares none ({where}). Pick a backbone that declares targets "
+            f"({wrappable_backbones()}) or set method.targets=[<module-name suffixes>]")
     return chosen
 
 
@@ -190,6 +191,6 @@ def check_qkv(qkv: Any) -> str:
     return str(qkv)
 
 
-def fused_qkv(backbone: Any, name: str) -> bool:
+def fused_qkv(backbone: Backbone, name: str) -> bool:
     """True if module ``name`` is one of the backbone's fused q/k/v layers (``fused_qkv``)."""
-    return any(matches(name, s) for s in getattr(backbone, "fused_qkv", ()) or ())
+    return any(matches(name, s) for s in backbone.fused_qkv)

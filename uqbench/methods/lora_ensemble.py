@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from uqbench.backbones.base import Backbone
 from uqbench.contracts import DataInfo
 from uqbench.methods.ensemble import EnsembleMethod, positive_int
 from uqbench.methods.layers import (
@@ -111,7 +112,7 @@ class LoRAEnsemble(EnsembleMethod):
     Trains each wrapped layer's lora_A and lora_B and the heads.
     """
 
-    def __init__(self, backbone: Any, info: DataInfo, members: int = 4, rank: int = 8,
+    def __init__(self, backbone: Backbone, info: DataInfo, members: int = 4, rank: int = 8,
                  init_gain: float = 10.0, alpha: float | None = None,
                  targets: str | Sequence[str] | None = "attention", qkv: str = "split",
                  name: str = "lora_ensemble") -> None:

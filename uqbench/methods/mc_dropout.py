@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from uqbench.backbones.base import Backbone
 from uqbench.contracts import DataInfo
 from uqbench.methods.dropout import (
     MASKS,
@@ -63,7 +64,7 @@ class MCDropout(EnsembleMethod):
 
     shared_head = True  # the T passes are samples of one model
 
-    def __init__(self, backbone: Any, info: DataInfo, samples: int = 10,
+    def __init__(self, backbone: Backbone, info: DataInfo, samples: int = 10,
                  p: float | None = 0.1, finetune: bool = True, masks: str = "fast",
                  name: str = "mc_dropout") -> None:
         samples = positive_int(samples, "method.samples", " (stochastic test-time passes)")
@@ -92,19 +93,19 @@ class MCDropout(EnsembleMethod):
         self.train_declared()
         self.train()
 
-    def _attention_dropout_off(self, backbone: Any) -> list[str]:
+    def _attention_dropout_off(self, backbone: Backbone) -> list[str]:
         """Rate 0 on the backbone's attention-probability dropouts; returns their names."""
-        suffixes = tuple(getattr(backbone, "attention_dropouts", ()) or ())
+        suffixes = tuple(backbone.attention_dropouts)
         names = [n for n, m in self.encoder.named_modules()
                  if isinstance(m, nn.Dropout) and any(matches(n, s) for s in suffixes)]
         for n in names:
             self.encoder.get_submodule(n).p = 0.0
         return names
 
-    def _remove_feature_dropout(self, backbone: Any) -> bool:
+    def _remove_feature_dropout(self, backbone: Backbone) -> bool:
         """Replace the backbone's own dropout of the pooled features by nn.Identity: the head's
         dropout is ours. True if there was one."""
-        name = getattr(backbone, "feature_dropout", None)
+        name = backbone.feature_dropout
         found = dict(self.encoder.named_modules()).get(name) if name else None
         if not isinstance(found, nn.Dropout):
             return False

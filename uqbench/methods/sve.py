@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from uqbench.backbones.base import Backbone
 from uqbench.contracts import Batch, DataInfo
 from uqbench.methods.ensemble import EnsembleMethod, check_sigma
 from uqbench.methods.layers import (
@@ -342,7 +343,7 @@ class SVE(EnsembleMethod):
     Trains each wrapped layer's sve_s and sve_bias and the heads.
     """
 
-    def __init__(self, backbone: Any, info: DataInfo, members: int = 4,
+    def __init__(self, backbone: Backbone, info: DataInfo, members: int = 4,
                  sigma_init: float = 0.01, forward_mode: str = "auto",
                  targets: str | Sequence[str] | None = None, pretrained_decay: float = 0.0,
                  svd_cache: str | None = None, release_pretrained: bool = True,
