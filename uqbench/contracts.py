@@ -7,10 +7,11 @@ it without depending on one another (tests/test_architecture.py enforces the imp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, get_args
 
 import torch
 
+T = TypeVar("T")
 Batch = tuple[Any, torch.Tensor]  # (inputs, targets); inputs a tensor or a dict of tensors
 
 
@@ -67,6 +68,16 @@ class RegressionOutput:
     mean: torch.Tensor
     var: torch.Tensor
     var_aleatoric: torch.Tensor | None = None
+
+
+def one_of(key: str, value: T, choices: Any) -> T:
+    """``value`` if the ``Literal`` ``choices`` lists it, else a ValueError naming the field,
+    the value and the choices: for objects built in code, the check a config gets from its
+    annotation before anything is built (``uqbench.configs.check_value``), in the same words."""
+    options = get_args(choices)
+    if value not in options:
+        raise ValueError(f"{key}={value!r} is not one of: {', '.join(map(str, options))}")
+    return value
 
 
 def to_device(inputs: Any, device: torch.device) -> Any:

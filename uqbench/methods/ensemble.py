@@ -23,7 +23,7 @@ from torch import nn
 from uqbench.backbones.base import Backbone
 from uqbench.contracts import Batch, DataInfo
 from uqbench.methods.base import MemberParameters, Method
-from uqbench.methods.heads import EnsembleHead, answer_rows, check_head_init
+from uqbench.methods.heads import EnsembleHead, HeadInit, answer_rows, check_head_init
 from uqbench.methods.layers import (
     Inputs,
     MemberLinear,
@@ -87,7 +87,7 @@ class EnsembleMethod(Method):
     released_params = 0  # pretrained entries the method dropped (SVE's decomposed W)
 
     def __init__(self, backbone: Backbone, info: DataInfo, members: int, name: str,
-                 head_init: str = "default", head_sigma: float = 0.0) -> None:
+                 head_init: HeadInit = "default", head_sigma: float = 0.0) -> None:
         super().__init__()
         self.name = name
         self.members = check_members(members)

@@ -16,21 +16,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Literal, get_args
 
 import torch
 from torch import nn
 
 from uqbench.backbones.base import Backbone
 
-HEAD_INITS = ("default", "p1")
+HeadInit = Literal["default", "p1"]
+HEAD_INITS: tuple[str, ...] = get_args(HeadInit)
 
 
-def check_head_init(init: str) -> str:
+def check_head_init(init: str) -> HeadInit:
     """``init`` if it is one of :data:`HEAD_INITS`, else a ValueError naming the choices."""
     if init not in HEAD_INITS:
         raise ValueError(f"method.head_init '{init}' is not one of {HEAD_INITS} (default: "
                          f"nn.Linear's uniform init; p1: weights N(0, 0.01²), zero bias)")
-    return init
+    return init  # type: ignore[return-value]  # one of HEAD_INITS
 
 
 class EnsembleHead(nn.Module):

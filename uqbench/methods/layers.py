@@ -25,7 +25,7 @@ combine it with every backbone.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -34,7 +34,10 @@ from uqbench.backbones.base import Backbone
 from uqbench.configs import options_with
 
 Inputs = torch.Tensor | dict[str, torch.Tensor]
-QKV_FORMS = ("split", "fused")
+Qkv = Literal["split", "fused"]
+QKV_FORMS: tuple[str, ...] = get_args(Qkv)
+# What method.targets may name besides a list of module-name suffixes (null: all).
+Targets = Literal["all", "attention"] | Sequence[str] | None
 
 
 def wrappable_backbones() -> str:
@@ -130,7 +133,7 @@ def matches(name: str, suffix: str) -> bool:
     return name == suffix or name.endswith("." + suffix)
 
 
-def resolve_targets(backbone: Backbone, targets: str | Sequence[str] | None,
+def resolve_targets(backbone: Backbone, targets: Targets,
                     method: str) -> list[str]:
     """The module-name suffixes a method adapts.
 
@@ -183,12 +186,12 @@ def replace_linears(model: nn.Module, suffixes: Sequence[str],
     return names
 
 
-def check_qkv(qkv: Any) -> str:
+def check_qkv(qkv: Any) -> Qkv:
     """``qkv`` if it is one of :data:`QKV_FORMS`, else a ValueError naming the choices."""
     if qkv not in QKV_FORMS:
         raise ValueError(f"method.qkv '{qkv}' is not one of {QKV_FORMS} (split: q, k and v "
                          f"each get their own parameters; fused: the fused qkv matrix as one)")
-    return str(qkv)
+    return qkv  # type: ignore[no-any-return]  # one of QKV_FORMS
 
 
 def fused_qkv(backbone: Backbone, name: str) -> bool:

@@ -11,7 +11,6 @@ split``; ``fused`` puts one adapter on the fused matrix instead).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,6 +21,8 @@ from uqbench.contracts import DataInfo
 from uqbench.methods.ensemble import EnsembleMethod, positive_int
 from uqbench.methods.layers import (
     MemberLinear,
+    Qkv,
+    Targets,
     check_qkv,
     fused_qkv,
     replace_linears,
@@ -114,7 +115,7 @@ class LoRAEnsemble(EnsembleMethod):
 
     def __init__(self, backbone: Backbone, info: DataInfo, members: int = 4, rank: int = 8,
                  init_gain: float = 10.0, alpha: float | None = None,
-                 targets: str | Sequence[str] | None = "attention", qkv: str = "split",
+                 targets: Targets = "attention", qkv: Qkv = "split",
                  name: str = "lora_ensemble") -> None:
         rank = positive_int(rank, "method.rank", " (the official CIFAR runs use 8)")
         qkv = check_qkv(qkv)

@@ -44,6 +44,7 @@ from uqbench.contracts import DataInfo
 from uqbench.methods.dropout import (
     MASKS,
     FastDropout,
+    Masks,
     fast_dropouts,
     quantised_rate,
     repeat_at_first_dropout,
@@ -65,7 +66,7 @@ class MCDropout(EnsembleMethod):
     shared_head = True  # the T passes are samples of one model
 
     def __init__(self, backbone: Backbone, info: DataInfo, samples: int = 10,
-                 p: float | None = 0.1, finetune: bool = True, masks: str = "fast",
+                 p: float | None = 0.1, finetune: bool = True, masks: Masks = "fast",
                  name: str = "mc_dropout") -> None:
         samples = positive_int(samples, "method.samples", " (stochastic test-time passes)")
         if p is not None and not 0 <= float(p) < 1:

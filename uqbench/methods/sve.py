@@ -28,17 +28,20 @@ import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from uqbench.backbones.base import Backbone
-from uqbench.contracts import Batch, DataInfo
+from uqbench.contracts import Batch, DataInfo, one_of
 from uqbench.methods.ensemble import EnsembleMethod, check_sigma
+from uqbench.methods.heads import HeadInit
 from uqbench.methods.layers import (
     MemberLinear,
+    Qkv,
+    Targets,
     check_qkv,
     frozen,
     fused_qkv,
@@ -50,7 +53,7 @@ from uqbench.methods.layers import (
 )
 
 log = logging.getLogger("uqbench")
-FORWARD_MODES = ("auto", "factorized", "materialized")
+ForwardMode = Literal["auto", "factorized", "materialized"]
 
 
 def svd(weight: torch.Tensor, cache: Path | None = None, key: str = ""
@@ -121,7 +124,7 @@ class SVELinear(MemberLinear):
     splits = 1  # blocks decomposed apart (SplitSVELinear: q, k, v)
 
     def __init__(self, base_layer: nn.Linear, members: int, sigma_init: float,
-                 forward_mode: str = "auto", cache: Path | None = None, key: str = "",
+                 forward_mode: ForwardMode = "auto", cache: Path | None = None, key: str = "",
                  release_pretrained: bool = False, clamp: bool = False,
                  rank: int | None = None, cache_weights: bool = False) -> None:
         super().__init__(base_layer, members)
@@ -344,17 +347,15 @@ class SVE(EnsembleMethod):
     """
 
     def __init__(self, backbone: Backbone, info: DataInfo, members: int = 4,
-                 sigma_init: float = 0.01, forward_mode: str = "auto",
-                 targets: str | Sequence[str] | None = None, pretrained_decay: float = 0.0,
+                 sigma_init: float = 0.01, forward_mode: ForwardMode = "auto",
+                 targets: Targets = None, pretrained_decay: float = 0.0,
                  svd_cache: str | None = None, release_pretrained: bool = True,
-                 qkv: str = "fused", clamp_singular_values: bool = False,
-                 head_init: str = "default", rank: int | None = None,
+                 qkv: Qkv = "fused", clamp_singular_values: bool = False,
+                 head_init: HeadInit = "default", rank: int | None = None,
                  cache_weights: bool = True, name: str = "sve") -> None:
         sigma_init = check_sigma(sigma_init)
         qkv = check_qkv(qkv)
-        if forward_mode not in FORWARD_MODES:
-            raise ValueError(f"method.forward_mode '{forward_mode}' is not one of "
-                             f"{FORWARD_MODES}")
+        forward_mode = one_of("method.forward_mode", forward_mode, ForwardMode)
         if float(pretrained_decay) < 0:
             raise ValueError(f"method.pretrained_decay must be >= 0, got {pretrained_decay}")
         suffixes = resolve_targets(backbone, targets, name)

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from uqbench import metrics as M
-from uqbench.contracts import to_device
+from uqbench.contracts import one_of, to_device
 from uqbench.tasks.base import Predictions, Task
 
 
@@ -28,15 +28,12 @@ class ClassificationTask(Task):
     name = "classification"
     METRICS = {"acc": "maximize", "nll": "minimize", "brier": "minimize", "ece": "minimize"}
 
-    def __init__(self, ece_bins: int = 15, aggregation: str = "mean_probs") -> None:
+    def __init__(self, ece_bins: int = 15, aggregation: M.Aggregation = "mean_probs") -> None:
         if int(ece_bins) < 1:
             raise ValueError(f"task.ece_bins must be a positive integer (15 or 10 are usual), "
                              f"got {ece_bins}")
-        if aggregation not in M.AGGREGATIONS:
-            raise ValueError(f"task.aggregation '{aggregation}' is not one of "
-                             f"{M.AGGREGATIONS}")
         self.ece_bins = int(ece_bins)
-        self.aggregation = aggregation
+        self.aggregation = one_of("task.aggregation", aggregation, M.Aggregation)
 
     @torch.no_grad()
     def predict(self, method: torch.nn.Module, loader: DataLoader,
