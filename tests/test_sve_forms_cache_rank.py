@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from tests.helpers import build_method as build
-from uqbench.methods.sve import SplitSVELinear, SVELinear
+from uqbench.methods.sve_layers import SplitSVELinear, SVELinear
 from uqbench.records.runfolder import differences
 
 M, N_IN, N_OUT, ROWS = 3, 6, 12, 5  # out = 12: q, k, v of 4 each when split
