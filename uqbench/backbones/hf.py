@@ -133,6 +133,7 @@ class HFEncoder(Backbone):
     """
 
     modality = "text"
+    max_length: int  # always set: the tokens per example
     supports_activation_checkpointing = True
 
     def __init__(self, name: str, model_type: str, config: Mapping[str, Any] | None = None,
@@ -218,16 +219,18 @@ class HFEncoder(Backbone):
         from transformers import PreTrainedModel
 
         found = outermost(model, lambda m: isinstance(m, PreTrainedModel))
-        for hf_model in found:
+        for hf_model in found:  # a transformers PreTrainedModel (untyped here)
             if not hf_model.supports_gradient_checkpointing:
                 raise ValueError(f"backbone '{self.name}': {type(hf_model).__name__} does not "
                                  f"support activation checkpointing; set "
                                  f"trainer.activation_checkpointing=false")
             kwargs = {"use_reentrant": False}
-            if callable(getattr(hf_model, "activation_checkpointing_enable", None)):
-                hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            enable: Any = getattr(hf_model, "activation_checkpointing_enable", None)
+            if callable(enable):
+                enable(activation_checkpointing_kwargs=kwargs)
             else:  # transformers < 5
-                hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+                enable = hf_model.gradient_checkpointing_enable
+                enable(gradient_checkpointing_kwargs=kwargs)
         return switched_on(model, found, self.name)
 
     def output_rows(self, token_ids: Sequence[int]) -> torch.Tensor | None:

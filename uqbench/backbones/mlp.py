@@ -41,7 +41,8 @@ class MLP(Backbone):
         self.activation = activation
         self.slope = float(slope) if activation == "leaky_relu" else 0.0
 
-    def build(self, in_features: int) -> nn.Sequential:
+    # A tabular backbone's input width is the data's, so its build takes it.
+    def build(self, in_features: int) -> nn.Sequential:  # type: ignore[override]
         """Deterministic feature network (B, in_features) → (B, width): ``depth`` times
         nn.Linear then the activation (nn.LeakyReLU(slope) or nn.ReLU)."""
         layers: list[nn.Module] = []

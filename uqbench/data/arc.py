@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from torch.utils.data import Dataset
 
 from uqbench.contracts import DataInfo, one_of
 from uqbench.data.layout import DatasetCorruptError
@@ -154,7 +155,7 @@ class ARCEasyData(TextDataModule):
         self.format = one_of("dataset.format", format, Format)
         self.answer_token_ids: list[int] | None = None
 
-    def build(self) -> dict[str, ListDataset]:
+    def build(self) -> dict[str, Dataset]:
         columns = ("id", "question", "choices", "answerKey")
         return {ours: ListDataset([normalise_arc(r) for r in
                                    read_hf_split("arc_easy", self.root, theirs, columns)])

@@ -92,7 +92,9 @@ class DataModule:
         if isinstance(dataset, TensorDataset) and self.num_workers == 0:
             return TensorBatches(dataset.tensors, batch_size, shuffle=train, shard=shard,
                                  skip=skip, on_skip=on_skip)
-        sampler = RandomSampler(dataset) if train else SequentialSampler(dataset)
+        # every split is a map-style dataset, which has a length
+        sampler = (RandomSampler(dataset) if train  # type: ignore[arg-type]
+                   else SequentialSampler(dataset))  # type: ignore[arg-type]
         return DataLoader(
             dataset,
             batch_sampler=MicroBatchSampler(sampler, batch_size, shard, skip, on_skip),
@@ -103,7 +105,7 @@ class DataModule:
         )
 
     def num_train_batches(self) -> int:
-        n = len(self.dataset("train"))
+        n = len(self.dataset("train"))  # type: ignore[arg-type]  # a map-style dataset
         return max(1, -(-n // self.batch_size))
 
 
@@ -200,14 +202,20 @@ def check_modality(dataset: str, backbone: InputBackbone | None,
     return backbone
 
 
+def image_shape(backbone: InputBackbone) -> tuple[int, int, int]:
+    """(3, H, W): the images the backbone takes (the image datasets' default where it says
+    nothing)."""
+    from uqbench.data.transforms import DEFAULT_DATA_CONFIG
+
+    c, h, w = (int(v) for v in (backbone.data_config() or DEFAULT_DATA_CONFIG)["input_size"])
+    return c, h, w
+
+
 def check_image_size(dataset: str, size: int, backbone: InputBackbone) -> None:
     """Images of ``size`` px must be what the backbone takes, unless it takes any size."""
     if backbone.dynamic_image_size:
         return
-    from uqbench.data.transforms import DEFAULT_DATA_CONFIG
-
-    config = backbone.data_config() or DEFAULT_DATA_CONFIG
-    expected = tuple(int(v) for v in config["input_size"][1:])
+    expected = image_shape(backbone)[1:]
     if (size, size) != expected:
         raise ValueError(
             f"dataset.image_size={size} but backbone '{backbone.name}' takes "

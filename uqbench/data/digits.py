@@ -142,7 +142,7 @@ def corrupt_images(images: np.ndarray, corruption: str, severity: int, seed: int
     from imagecorruptions import corrupt
     from imagecorruptions import corruptions as library
 
-    key = (hashlib.sha1(np.ascontiguousarray(images)).hexdigest(), images.shape, corruption,
+    key = (hashlib.sha1(np.ascontiguousarray(images).data).hexdigest(), images.shape, corruption,
            int(severity), int(seed))
     if key in _CORRUPTED:
         return _CORRUPTED[key]
@@ -205,7 +205,7 @@ class DigitsData(ImageDataModule):
 
     def setup(self, backbone: InputBackbone | None = None) -> None:
         pretrained_on = None if backbone is None else backbone.pretrain_split_seed
-        if pretrained_on is not None and int(pretrained_on) != self.split_seed:
+        if backbone is not None and pretrained_on not in (None, self.split_seed):
             raise ValueError(
                 f"backbone '{backbone.name}' was pretrained on the digits split with "
                 f"split_seed={pretrained_on}, but dataset.split_seed={self.split_seed}: its "

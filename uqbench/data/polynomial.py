@@ -12,7 +12,8 @@ Splits: train, val, test (in distribution) and ood. Inputs and targets are (N, 1
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -30,7 +31,8 @@ class PolynomialData(DataModule):
     eval_splits = ("test",)
     ood_splits = ("ood",)
 
-    def __init__(self, name: str = "polynomial", coefficients: list[float] = (0.0, -1.0, 0.0, 1.0),
+    def __init__(self, name: str = "polynomial",
+                 coefficients: Sequence[float] = (0.0, -1.0, 0.0, 1.0),
                  noise_base: float = 0.05, noise_scale: float = 0.3, noise_power: float = 1.0,
                  train_range: tuple[float, float] = (-1.5, 1.5),
                  ood_range: tuple[float, float] = (-2.25, 2.25),
@@ -67,7 +69,8 @@ class PolynomialData(DataModule):
 
     # -- the generating process ------------------------------------------------------------
     def trend(self, x: torch.Tensor) -> torch.Tensor:
-        return sum(c * x ** k for k, c in enumerate(self.coefficients))
+        terms = [c * x ** k for k, c in enumerate(self.coefficients)]
+        return cast(torch.Tensor, sum(terms))  # a tensor: one term at least (checked above)
 
     def noise_std(self, x: torch.Tensor) -> torch.Tensor:
         base, scale, power = self.noise

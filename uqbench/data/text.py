@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.data import Dataset
 
 from uqbench.contracts import InputBackbone
 from uqbench.data.base import check_modality
@@ -35,7 +36,7 @@ def read_hf_split(name: str, root: str | Path, split: str, columns: tuple[str, .
                   ) -> list[dict[str, Any]]:
     """Rows of one split of a Hugging Face dataset saved under the data root, as dicts."""
     folder = LAYOUTS[name].path(root)
-    kind, files = hf_split_files(folder, split)  # presence was checked by require()
+    kind, files = hf_split_files(folder, split)  # type: ignore[misc]  # require() checked it
     import pyarrow as pa
 
     try:
@@ -105,7 +106,7 @@ class TextDataModule(SplitDataModule):
         self._datasets = self.build()
         self.collate_fn = self.make_collate()
 
-    def build(self) -> dict[str, ListDataset]:  # pragma: no cover - interface
+    def build(self) -> dict[str, Dataset]:  # pragma: no cover - interface
         raise NotImplementedError
 
     def make_collate(self) -> Any:  # pragma: no cover - interface
@@ -136,10 +137,10 @@ class SST2Data(TextDataModule):
                 f"re-fetch with `uqbench-data download sst2 --force`")
         return [(str(r["sentence"]), int(r["label"])) for r in rows]
 
-    def build(self) -> dict[str, ListDataset]:
+    def build(self) -> dict[str, Dataset]:
         train = self._rows("train")
         train_idx, val_idx = holdout_split(len(train), self.val_fraction, self.split_seed)
-        out = {"train": ListDataset([train[i] for i in train_idx])}
+        out: dict[str, Dataset] = {"train": ListDataset([train[i] for i in train_idx])}
         if len(val_idx):
             out["val"] = ListDataset([train[i] for i in val_idx])
         out["test"] = ListDataset(self._rows("validation"))

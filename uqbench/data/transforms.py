@@ -41,8 +41,8 @@ class ImagePreprocessing:
     """Resolved preprocessing: output size (H, W), normalisation and the eval crop."""
 
     size: tuple[int, int]
-    mean: tuple[float, float, float]
-    std: tuple[float, float, float]
+    mean: tuple[float, ...]  # one per channel (RGB)
+    std: tuple[float, ...]
     crop_pct: float
     interpolation: str
     crop_mode: str = "center"

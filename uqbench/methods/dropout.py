@@ -117,7 +117,7 @@ def repeat_at_first_dropout(root: nn.Module, passes: int) -> Iterator[dict[str, 
     still has B rows)."""
     state = {"repeated": False}
 
-    def hook(module: nn.Module, args: tuple) -> tuple | None:
+    def hook(module: nn.Dropout, args: tuple) -> tuple | None:
         if state["repeated"] or not (module.training and module.p > 0):
             return None
         state["repeated"] = True

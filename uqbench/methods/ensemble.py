@@ -174,7 +174,7 @@ class EnsembleMethod(Method):
         scored on its own (``uqbench.methods.multiple_choice``); absent choices (``choice_mask``
         false) get probability 0."""
         if self.multiple_choice:
-            return score_choices(self.logits, inputs)
+            return score_choices(self.logits, inputs)  # type: ignore[arg-type]  # a dict
         mask = inputs.get("choice_mask") if isinstance(inputs, dict) else None
         return mask_absent(self.logits(inputs), mask)
 

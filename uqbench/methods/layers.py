@@ -53,7 +53,8 @@ def repeat_members(inputs: Inputs, members: int) -> Inputs:
     if members == 1:
         return inputs
     if isinstance(inputs, dict):
-        return {k: repeat_members(v, members) for k, v in inputs.items()}
+        return {k: repeat_members(v, members)  # type: ignore[misc]  # a tensor per key
+                for k, v in inputs.items()}
     if isinstance(inputs, torch.Tensor):
         return inputs.repeat(members, *([1] * (inputs.dim() - 1)))
     raise TypeError(f"inputs must be a tensor or a dict of tensors, got {type(inputs).__name__}")

@@ -34,7 +34,7 @@ masks, hence their numbers for a given seed, differ from ``fast``'s).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -84,7 +84,7 @@ class MCDropout(EnsembleMethod):
                     if isinstance(m, nn.Dropout) and n not in attention]
         if self.p is not None:
             for n in dropouts:
-                self.encoder.get_submodule(n).p = self.p
+                cast(nn.Dropout, self.encoder.get_submodule(n)).p = self.p
         self.backbone_dropouts = len(dropouts)
         self.masks = masks
         head_dropout = FastDropout if masks == "fast" else nn.Dropout
@@ -100,7 +100,7 @@ class MCDropout(EnsembleMethod):
         names = [n for n, m in self.encoder.named_modules()
                  if isinstance(m, nn.Dropout) and any(matches(n, s) for s in suffixes)]
         for n in names:
-            self.encoder.get_submodule(n).p = 0.0
+            cast(nn.Dropout, self.encoder.get_submodule(n)).p = 0.0
         return names
 
     def _remove_feature_dropout(self, backbone: Backbone) -> bool:
@@ -108,7 +108,7 @@ class MCDropout(EnsembleMethod):
         dropout is ours. True if there was one."""
         name = backbone.feature_dropout
         found = dict(self.encoder.named_modules()).get(name) if name else None
-        if not isinstance(found, nn.Dropout):
+        if not name or not isinstance(found, nn.Dropout):
             return False
         parent, _, child = name.rpartition(".")
         setattr(self.encoder.get_submodule(parent) if parent else self.encoder, child,

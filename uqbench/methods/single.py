@@ -26,7 +26,7 @@ class Single(EnsembleMethod):
             # Registered again so that it follows the head: the optimiser has always received
             # the head's parameters first, and gradient clipping sums the per-parameter norms
             # in that order (a different order changes the last bits of every update).
-            self.encoder = self._modules.pop("encoder")
+            self.encoder = self._modules.pop("encoder")  # type: ignore[assignment]  # set
         self.train_declared()
 
     def fine_tuned(self) -> list[nn.Module]:

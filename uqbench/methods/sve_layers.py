@@ -111,7 +111,8 @@ class SVELinear(MemberLinear):
         super().__init__(base_layer, members)
         self.forward_mode = forward_mode
         self.clamp = bool(clamp)
-        self.cache_weights, self._cached = bool(cache_weights) and rank is None, None
+        self.cache_weights = bool(cache_weights) and rank is None
+        self._cached: tuple[tuple[object, ...], torch.Tensor] | None = None
         W = base_layer.weight
         U, s, V = self.decompose(W, cache, key)
         if rank is not None:  # the k largest singular directions (svd sorts them descending)
@@ -136,7 +137,7 @@ class SVELinear(MemberLinear):
             base_layer.register_parameter("bias", None)
         elif release_pretrained:
             self.released = sum(p.numel() for p in base_layer.parameters())
-            self.base_layer = None
+            self.base_layer = None  # type: ignore[assignment]  # released: never read again
 
     def decompose(self, W: torch.Tensor, cache: Path | None, key: str
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -8,6 +8,7 @@ recomputed from ``predictions/<split>.npz``) and computes the metrics defined in
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,6 +17,9 @@ from torch.utils.data import DataLoader
 from uqbench import metrics as M
 from uqbench.contracts import one_of, to_device
 from uqbench.tasks.base import Predictions, Task
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 class ClassificationTask(Task):
@@ -62,7 +66,7 @@ class ClassificationTask(Task):
         """``{split}/acc``, ``/nll``, ``/brier``, ``/ece`` (fractions); with a calibration, the
         same of the temperature-scaled predictions under ``{split}/ts/``."""
         member_probs, y = self._tensors(preds)
-        out = {}
+        out: dict[str, float] = {}
         for prefix, probs in self._variants(split, member_probs, calibration):
             values = M.classification_metrics(probs, y, self.ece_bins, self.aggregation)
             out |= {f"{prefix}/{k}": v for k, v in values.items()}
@@ -161,7 +165,7 @@ class ClassificationTask(Task):
         return written
 
     @staticmethod
-    def _save(fig: object, path: Path) -> Path:
+    def _save(fig: Figure, path: Path) -> Path:
         import matplotlib.pyplot as plt
 
         fig.tight_layout()
