@@ -16,7 +16,7 @@ from uqbench.backbones.hf import bundled_tokenizer_path, last_token_index
 from uqbench.contracts import DataInfo
 from uqbench.methods.layers import repeat_members, replace_linears
 from uqbench.methods.lora_ensemble import LoRALinear
-from uqbench.methods.sve import SVELinear
+from uqbench.methods.sve_layers import SVELinear
 
 BACKBONES = ("tiny_vit", "tiny_bert", "tiny_llama")
 METHODS = ("sve", "svf", "lora_ensemble", "deep_ensemble", "deep_ensemble_lp", "mc_dropout",
@@ -420,7 +420,7 @@ def test_pretrained_decay_adds_the_l2_pull_toward_the_pretrained_spectrum(cfg):
 
 
 def test_svd_cache_reuses_factors_and_notices_new_weights(tmp_path):
-    from uqbench.methods import sve
+    from uqbench.methods import sve_layers as sve
 
     w = torch.randn(6, 5)
     U, s, V = sve.svd(w, tmp_path, "layer")

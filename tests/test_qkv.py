@@ -18,7 +18,7 @@ from torch import nn
 from tests.helpers import build_method as build
 from uqbench.contracts import DataInfo
 from uqbench.methods.lora_ensemble import SplitLoRALinear
-from uqbench.methods.sve import SplitSVELinear, SVELinear
+from uqbench.methods.sve_layers import SplitSVELinear, SVELinear
 
 INFO = DataInfo(task="classification", num_classes=3)
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from tests.helpers import build_method as build
 from uqbench.identity import differences
-from uqbench.methods.sve import SplitSVELinear, SVELinear
+from uqbench.methods.sve_layers import SplitSVELinear, SVELinear
 
 M, N_IN, N_OUT, ROWS = 3, 6, 12, 5  # out = 12: q, k, v of 4 each when split
 # float64 agrees to rounding; float32 sums ~N_IN products per entry at ≈ 6e-8 each

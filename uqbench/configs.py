@@ -195,7 +195,8 @@ def _hints(target: Any) -> dict[str, Any]:
 
 
 def _kinds(annotation: Any) -> set[str]:
-    """The scalar kinds an annotation allows: int, float, bool, none, other (not checked)."""
+    """The scalar kinds an annotation allows: int, float, bool, none, choice (a ``Literal``),
+    other (not checked)."""
     import types
     import typing
 
@@ -203,6 +204,8 @@ def _kinds(annotation: Any) -> set[str]:
         return {"none"}
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         return set().union(*(_kinds(a) for a in typing.get_args(annotation)))
+    if typing.get_origin(annotation) is typing.Literal:
+        return {"choice"}
     import torch
 
     # a tensor-valued option (torch.optim's lr) takes a number from a config
@@ -210,13 +213,34 @@ def _kinds(annotation: Any) -> set[str]:
                                                                                  "other")}
 
 
+def _choices(annotation: Any) -> tuple[Any, ...]:
+    """The values of every ``Literal`` in an annotation (``Literal["a", "b"] | None`` → a, b)."""
+    import types
+    import typing
+
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return tuple(c for a in typing.get_args(annotation) for c in _choices(a))
+    if typing.get_origin(annotation) is typing.Literal:
+        return typing.get_args(annotation)
+    return ()
+
+
 def check_value(key: str, value: Any, annotation: Any) -> None:
     """Refuse a value the annotation does not allow: a non-integer or a string where an int is
-    meant, a string or a non-finite number where a number is meant."""
+    meant, a string or a non-finite number where a number is meant, a value a ``Literal`` does
+    not list (``method.masks='bits' is not one of: fast, torch``)."""
     import math
 
     kinds = _kinds(annotation)
-    if "other" in kinds or (value is None and "none" in kinds):
+    if value is None and "none" in kinds:
+        return
+    if kinds == {"choice"} or kinds == {"choice", "none"}:
+        choices = _choices(annotation)
+        if not any(value == c and type(value) is type(c) for c in choices):  # "1" is not 1
+            listed = ", ".join(map(str, choices)) + (", null" if "none" in kinds else "")
+            raise ValueError(f"{key}={value!r} is not one of: {listed}")
+        return
+    if "other" in kinds or "choice" in kinds:
         return
     number = isinstance(value, int | float) and not isinstance(value, bool)
     if kinds & {"int", "float"} and number and not math.isfinite(value):
@@ -233,29 +257,40 @@ def check_value(key: str, value: Any, annotation: Any) -> None:
 
 
 def _accepted(target: Any) -> set[str] | None:
-    """The keyword arguments one of uqbench's classes takes (its own constructor), or None for
-    another library's class, a function, or a constructor taking ``**kwargs``."""
+    """The keyword arguments one of uqbench's classes takes: its constructor's, and where that
+    passes ``**kwargs`` on, those of the next constructor up the MRO, until one takes no
+    ``**kwargs``. None for another library's class, a function, or ``**kwargs`` that reach a
+    constructor outside uqbench (their fields cannot be listed)."""
     import inspect
 
     if not inspect.isclass(target) or not target.__module__.startswith("uqbench."):
         return None
-    try:
-        params = inspect.signature(target).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return None
-    return {p.name for p in params}
+    accepted: set[str] = set()
+    for owner in (c for c in target.__mro__ if "__init__" in vars(c)):
+        if owner is object:  # **kwargs passed on to object.__init__ take nothing more
+            return accepted
+        if not owner.__module__.startswith("uqbench."):
+            return None
+        try:
+            params = list(inspect.signature(owner.__init__).parameters.values())[1:]  # no self
+        except (TypeError, ValueError):
+            return None
+        accepted |= {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            return accepted
+    return None
 
 
-def _unknown_field(target: Any, key: str, field: str) -> ValueError:
-    """The error for a field the constructor does not take, naming the options that have it."""
+def _unknown_field(target: Any, key: str, field: str, accepted: set[str]) -> ValueError:
+    """The error for a field the constructor does not take, listing the fields it takes and
+    naming the options of the group that have it."""
     group = key.split(".")[0]
     having = ([name for name in group_options(group) if field in _packaged(group, name)]
               if "." not in key else [])
     hint = (f"; the {group} options that have it: {', '.join(having)}" if having
             else "; remove it or check its spelling")
-    return ValueError(f"{key}.{field} is not an option of {key} '{target.__name__}'{hint}")
+    return ValueError(f"{key}.{field} is not an option of {key} '{target.__name__}'{hint} "
+                      f"(its options: {', '.join(sorted(accepted))})")
 
 
 def check_types(node: DictConfig, key: str) -> None:
@@ -275,7 +310,7 @@ def check_types(node: DictConfig, key: str) -> None:
         if str(field).startswith("_"):
             continue
         if accepted is not None and field not in accepted:
-            raise _unknown_field(obj, key, str(field))
+            raise _unknown_field(obj, key, str(field), accepted)
         value = node[field]
         if isinstance(value, DictConfig):
             check_types(value, f"{key}.{field}")

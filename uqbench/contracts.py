@@ -7,10 +7,11 @@ it without depending on one another (tests/test_architecture.py enforces the imp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar, get_args
 
 import torch
 
+T = TypeVar("T")
 Batch = tuple[Any, torch.Tensor]  # (inputs, targets); inputs a tensor or a dict of tensors
 
 
@@ -37,6 +38,26 @@ class DataInfo:
     answer_token_ids: list[int] | None = None
 
 
+class InputBackbone(Protocol):
+    """What a dataset reads of the backbone it feeds (data never imports the backbones, whose
+    base class declares these hooks with their defaults; see docs/extending.md)."""
+
+    name: str
+    modality: str  # image | text | tabular: the inputs the encoder takes
+    max_length: int | None  # tokens per text example; None: not a text backbone
+    pretrain_split_seed: int | None  # the digits split the weights were pretrained on
+
+    @property
+    def dynamic_image_size(self) -> bool:
+        """Whether the encoder takes images of any size."""
+
+    def data_config(self) -> dict[str, Any] | None:
+        """Image preprocessing (input_size, mean, std, crop_pct, interpolation) or None."""
+
+    def tokenizer(self) -> Any:
+        """The Hugging Face tokenizer of a text backbone; None for the others."""
+
+
 @dataclass
 class RegressionOutput:
     """Predictive distribution of a regression method, all tensors of shape (B, out_dim).
@@ -47,6 +68,16 @@ class RegressionOutput:
     mean: torch.Tensor
     var: torch.Tensor
     var_aleatoric: torch.Tensor | None = None
+
+
+def one_of(key: str, value: T, choices: Any) -> T:
+    """``value`` if the ``Literal`` ``choices`` lists it, else a ValueError naming the field,
+    the value and the choices: for objects built in code, the check a config gets from its
+    annotation before anything is built (``uqbench.configs.check_value``), in the same words."""
+    options = get_args(choices)
+    if value not in options:
+        raise ValueError(f"{key}={value!r} is not one of: {', '.join(map(str, options))}")
+    return value
 
 
 def to_device(inputs: Any, device: torch.device) -> Any:

@@ -7,6 +7,7 @@ distribution; classification metrics take member probabilities of shape (M, N, C
 from __future__ import annotations
 
 import math
+from typing import Literal, get_args
 
 import torch
 
@@ -54,7 +55,8 @@ def noise_recovery(std: torch.Tensor, true_std: torch.Tensor) -> dict[str, float
 # y of shape (N,) (int64). The predictive distribution is built by `aggregate` (default: the mean
 # of member probabilities, the ensemble mixture). Scores and metrics are fractions, never percent.
 
-AGGREGATIONS = ("mean_probs", "mean_logits")
+Aggregation = Literal["mean_probs", "mean_logits"]
+AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 OOD_SCORES = ("msp", "entropy", "mi")
 
 
@@ -64,7 +66,8 @@ def _check_member_probs(member_probs: torch.Tensor) -> None:
                          f"{tuple(member_probs.shape)}")
 
 
-def aggregate(member_probs: torch.Tensor, aggregation: str = "mean_probs") -> torch.Tensor:
+def aggregate(member_probs: torch.Tensor, aggregation: Aggregation = "mean_probs"
+              ) -> torch.Tensor:
     """Predictive distribution (N, C) from member probabilities (M, N, C).
 
     mean_probs: (1/M) Σ_m p_m, the mixture (default).
@@ -152,7 +155,7 @@ def entropy(probs: torch.Tensor) -> torch.Tensor:
     return -(p * p.clamp_min(torch.finfo(torch.float64).tiny).log()).sum(-1)
 
 
-def ood_scores(member_probs: torch.Tensor, aggregation: str = "mean_probs"
+def ood_scores(member_probs: torch.Tensor, aggregation: Aggregation = "mean_probs"
                ) -> dict[str, torch.Tensor]:
     """Per-sample OOD scores (N,), each oriented so that higher means more likely OOD.
 
@@ -190,7 +193,7 @@ def ood_detection(id_score: torch.Tensor, ood_score: torch.Tensor) -> dict[str, 
 
 
 def classification_metrics(member_probs: torch.Tensor, y: torch.Tensor, ece_bins: int = 15,
-                           aggregation: str = "mean_probs") -> dict[str, float]:
+                           aggregation: Aggregation = "mean_probs") -> dict[str, float]:
     """Accuracy, NLL, Brier and ECE of the ensemble's predictive distribution on one split.
 
     With mean_probs the NLL is the mixture's (log-mean-exp over members); with mean_logits it is
@@ -220,7 +223,7 @@ def temper(member_probs: torch.Tensor, temperature: float | torch.Tensor) -> tor
     return torch.softmax(log_p / temperature, dim=-1)
 
 
-def _predictive_nll(member_probs: torch.Tensor, y: torch.Tensor, aggregation: str
+def _predictive_nll(member_probs: torch.Tensor, y: torch.Tensor, aggregation: Aggregation
                     ) -> torch.Tensor:
     if aggregation == "mean_probs":
         return mixture_nll(member_probs, y)
@@ -228,7 +231,7 @@ def _predictive_nll(member_probs: torch.Tensor, y: torch.Tensor, aggregation: st
 
 
 def fit_temperature(member_probs: torch.Tensor, y: torch.Tensor,
-                    aggregation: str = "mean_probs") -> float:
+                    aggregation: Aggregation = "mean_probs") -> float:
     """The T > 0 that minimises the NLL of the tempered predictive distribution on (p, y)."""
     lo, hi = (math.log(t) for t in T_RANGE)
     log_t = torch.zeros((), dtype=torch.float64, requires_grad=True)
@@ -239,8 +242,8 @@ def fit_temperature(member_probs: torch.Tensor, y: torch.Tensor,
         opt.zero_grad()
         t = log_t.clamp(lo, hi).exp()
         loss = _predictive_nll(temper(member_probs, t), y, aggregation)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         return loss
 
-    opt.step(closure)
+    opt.step(closure)  # type: ignore[no-untyped-call]
     return float(log_t.detach().clamp(lo, hi).exp())

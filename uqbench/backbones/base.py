@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 
@@ -46,12 +47,29 @@ class TransformerDims:
 
 
 class Backbone:
+    """A backbone's description; see the module docstring for what each subclass provides.
+
+    The optional hooks below are declared here with their defaults, so that methods and
+    datasets read them as attributes; a backbone that has one overrides it.
+    """
+
     name: str = "backbone"
     modality: str = "image"  # image | text | tabular
     supports_activation_checkpointing: bool = False
     # Where the run trains (set by the runner): methods move the built encoder there before
     # wrapping it, so that decompositions (SVE's SVD) run on the target device.
-    device: Any = None
+    device: torch.device | None = None
+    # Suffixes of the layers that compute q, k and v at once (timm's ``qkv``): read by SVE and
+    # LoRA-Ensemble's ``qkv=split``. None of them by default.
+    fused_qkv: Sequence[str] = ()
+    # Suffixes of the attention-probability dropouts, which MC Dropout switches off.
+    attention_dropouts: Sequence[str] = ()
+    # The name of the backbone's own dropout of the pooled features, which MC Dropout removes.
+    feature_dropout: str | None = None
+    # Tokens per text example (text datasets truncate and pad to it); None: not a text backbone.
+    max_length: int | None = None
+    # The digits split seed the weights were pretrained on (the digits dataset must use it).
+    pretrain_split_seed: int | None = None
 
     def __init__(self, name: str, targets: Sequence[str] = (),
                  attention_targets: Sequence[str] = (), pretrained: bool = True) -> None:
@@ -59,6 +77,25 @@ class Backbone:
         self.targets = [str(t) for t in targets]
         self.attention_targets = [str(t) for t in attention_targets]
         self.pretrained = bool(pretrained)
+
+    @property
+    def dynamic_image_size(self) -> bool:
+        """Whether the encoder takes images of any size (image datasets then skip the check)."""
+        return False
+
+    def data_config(self) -> dict[str, Any] | None:
+        """Image preprocessing (input_size (3, H, W), mean, std, crop_pct, interpolation), or
+        None: the image datasets' defaults."""
+        return None
+
+    def tokenizer(self) -> Any:
+        """The Hugging Face tokenizer of a text backbone; None for other backbones."""
+        return None
+
+    def output_rows(self, token_ids: Sequence[int]) -> torch.Tensor | None:
+        """A causal LM's output-embedding rows (C, D) of ``token_ids`` (the heads start from
+        them); None for backbones that are not causal LMs."""
+        return None
 
     def build(self) -> nn.Module:  # pragma: no cover - interface
         """A fresh encoder: inputs → features (B, feature_dim)."""

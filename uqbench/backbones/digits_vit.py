@@ -29,9 +29,10 @@ import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from uqbench.backbones.timm_vit import TimmViT
+from uqbench.contracts import one_of
 
 MODEL = "vit_tiny_patch16_224"
 # global_pool "avg": the mean patch token, not [CLS]; from 600 images it transfers better
@@ -39,6 +40,7 @@ MODEL = "vit_tiny_patch16_224"
 ARCHITECTURE: dict[str, Any] = {"img_size": 32, "patch_size": 8, "embed_dim": 64, "depth": 4,
                                 "num_heads": 4, "mlp_ratio": 2.0, "global_pool": "avg"}
 # AdamW with a cosine schedule; `augment`: random rotation ±10°, shift ±10 %, scale 0.9–1.1.
+Level = Literal["random", "weak", "strong"]
 RECIPES: dict[str, dict[str, Any] | None] = {
     "random": None,
     "weak": {"epochs": 20, "lr": 1e-3, "weight_decay": 0.05, "batch_size": 32,
@@ -46,7 +48,7 @@ RECIPES: dict[str, dict[str, Any] | None] = {
     "strong": {"epochs": 60, "lr": 3e-3, "weight_decay": 0.3, "batch_size": 32,
                "augment": True, "seed": 0},
 }
-LEVELS = tuple(RECIPES)
+LEVELS: tuple[str, ...] = get_args(Level)
 FORMAT = 1  # bump when the pretraining code changes what a recipe produces
 SUBDIR = "digits_vit"
 
@@ -58,8 +60,7 @@ class CheckpointCorruptError(ValueError):
 def pretrain_settings(level: str, split_seed: int = 0,
                       recipe: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything a level's weights depend on (``recipe`` replaces the level's own)."""
-    if level not in RECIPES:
-        raise ValueError(f"digits ViT level '{level}' is not one of: {', '.join(LEVELS)}")
+    one_of("backbone.level", level, Level)
     return {"format": FORMAT, "model": MODEL, "architecture": ARCHITECTURE, "level": level,
             "recipe": RECIPES[level] if recipe is None else dict(recipe),
             "split_seed": int(split_seed), "image_size": ARCHITECTURE["img_size"]}
@@ -124,7 +125,7 @@ class DigitsViT(TimmViT):
     split_seed: the digits split it is pretrained on (must equal ``dataset.split_seed``).
     """
 
-    def __init__(self, name: str, level: str, cache_dir: str | Path, split_seed: int = 0,
+    def __init__(self, name: str, level: Level, cache_dir: str | Path, split_seed: int = 0,
                  targets: Sequence[str] = ("qkv", "proj", "fc1", "fc2"),
                  attention_targets: Sequence[str] = ("qkv", "proj")) -> None:
         self.level, self.cache_dir = level, Path(cache_dir).expanduser()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -25,8 +25,9 @@ from uqbench.backbones.base import (
     outermost,
     switched_on,
 )
+from uqbench.contracts import one_of
 
-POOLINGS = ("cls", "pooler", "last", "mean")
+Pooling = Literal["cls", "pooler", "last", "mean"]
 # What a model folder needs: config and generation config, tokenizer files (tokenizer.json,
 # vocab.txt, SentencePiece's tokenizer.model) and the safetensors weights (with their index);
 # not the same weights again in the other formats a Hub repository may also hold (.bin, .h5 …)
@@ -82,7 +83,7 @@ class PooledEncoder(nn.Module):
     BertForSequenceClassification), last (last non-pad token, decoder models), mean (masked mean).
     """
 
-    def __init__(self, model: nn.Module, pooling: str) -> None:
+    def __init__(self, model: nn.Module, pooling: Pooling) -> None:
         super().__init__()
         self.model = model
         self.pooling = pooling
@@ -132,19 +133,18 @@ class HFEncoder(Backbone):
     """
 
     modality = "text"
+    max_length: int  # always set: the tokens per example
     supports_activation_checkpointing = True
 
     def __init__(self, name: str, model_type: str, config: Mapping[str, Any] | None = None,
                  config_overrides: Mapping[str, Any] | None = None, pretrained: bool = True,
                  path: str | None = None,
                  tokenizer_path: str | None = None, max_length: int = 128,
-                 pooling: str = "cls", dtype: str = "float32",
+                 pooling: Pooling = "cls", dtype: str = "float32",
                  targets: Sequence[str] = (), attention_targets: Sequence[str] = (),
                  causal_lm: bool = False,
                  hub_id: str | None = None) -> None:
         super().__init__(name, targets, attention_targets, pretrained)
-        if pooling not in POOLINGS:
-            raise ValueError(f"backbone.pooling '{pooling}' is not one of {POOLINGS}")
         if not isinstance(getattr(torch, str(dtype), None), torch.dtype):
             raise ValueError(f"backbone.dtype '{dtype}' is not a torch dtype "
                              f"(float32, bfloat16, float16)")
@@ -156,7 +156,7 @@ class HFEncoder(Backbone):
         self.path = None if path is None else Path(path).expanduser()
         self.tokenizer_path = None if tokenizer_path is None else Path(tokenizer_path)
         self.max_length = int(max_length)
-        self.pooling = pooling
+        self.pooling = one_of("backbone.pooling", pooling, Pooling)
         self.dtype = getattr(torch, str(dtype))
         self.causal_lm = bool(causal_lm)
         self.hub_id = hub_id  # only named in the fetch command of the missing-weights error
@@ -219,16 +219,18 @@ class HFEncoder(Backbone):
         from transformers import PreTrainedModel
 
         found = outermost(model, lambda m: isinstance(m, PreTrainedModel))
-        for hf_model in found:
+        for hf_model in found:  # a transformers PreTrainedModel (untyped here)
             if not hf_model.supports_gradient_checkpointing:
                 raise ValueError(f"backbone '{self.name}': {type(hf_model).__name__} does not "
                                  f"support activation checkpointing; set "
                                  f"trainer.activation_checkpointing=false")
             kwargs = {"use_reentrant": False}
-            if callable(getattr(hf_model, "activation_checkpointing_enable", None)):
-                hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            enable: Any = getattr(hf_model, "activation_checkpointing_enable", None)
+            if callable(enable):
+                enable(activation_checkpointing_kwargs=kwargs)
             else:  # transformers < 5
-                hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+                enable = hf_model.gradient_checkpointing_enable
+                enable(gradient_checkpointing_kwargs=kwargs)
         return switched_on(model, found, self.name)
 
     def output_rows(self, token_ids: Sequence[int]) -> torch.Tensor | None:
@@ -252,7 +254,7 @@ class HFEncoder(Backbone):
                                hidden=int(config.hidden_size),
                                heads=int(config.num_attention_heads), tokens=self.max_length)
 
-    def tokenizer(self):
+    def tokenizer(self) -> Any:
         """A Hugging Face tokenizer (with a pad token) for this backbone, loaded offline."""
         from transformers import AutoTokenizer
 

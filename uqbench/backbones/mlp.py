@@ -8,11 +8,14 @@ variational BNN builds this network and converts it layer by layer into its Baye
 
 from __future__ import annotations
 
+from typing import Literal
+
 from torch import nn
 
 from uqbench.backbones.base import Backbone
+from uqbench.contracts import one_of
 
-ACTIVATIONS = ("leaky_relu", "relu")
+Activation = Literal["leaky_relu", "relu"]
 
 
 class MLP(Backbone):
@@ -25,13 +28,12 @@ class MLP(Backbone):
     modality = "tabular"
 
     def __init__(self, name: str = "mlp", width: int = 16, depth: int = 1,
-                 activation: str = "leaky_relu", slope: float = 0.1) -> None:
+                 activation: Activation = "leaky_relu", slope: float = 0.1) -> None:
         if int(width) < 1:
             raise ValueError(f"backbone.width must be a positive integer, got {width}")
         if int(depth) < 1:
             raise ValueError(f"backbone.depth must be a positive integer, got {depth}")
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"backbone.activation '{activation}' is not one of {ACTIVATIONS}")
+        one_of("backbone.activation", activation, Activation)
         if activation == "leaky_relu" and not 0 <= slope < 1:
             raise ValueError(f"backbone.slope must lie in [0, 1), got {slope}")
         super().__init__(name, targets=(), attention_targets=(), pretrained=False)
@@ -39,7 +41,8 @@ class MLP(Backbone):
         self.activation = activation
         self.slope = float(slope) if activation == "leaky_relu" else 0.0
 
-    def build(self, in_features: int) -> nn.Sequential:
+    # A tabular backbone's input width is the data's, so its build takes it.
+    def build(self, in_features: int) -> nn.Sequential:  # type: ignore[override]
         """Deterministic feature network (B, in_features) → (B, width): ``depth`` times
         nn.Linear then the activation (nn.LeakyReLU(slope) or nn.ReLU)."""
         layers: list[nn.Module] = []

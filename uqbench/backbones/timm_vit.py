@@ -38,7 +38,8 @@ def download_command(model: str, folder: Path | str) -> str:
     import timm
 
     try:
-        repo = timm.models.get_pretrained_cfg(model).hf_hub_id or f"timm/{model}"
+        cfg = timm.models.get_pretrained_cfg(model)
+        repo = (cfg.hf_hub_id if cfg is not None else None) or f"timm/{model}"
     except (AttributeError, RuntimeError, ValueError):  # a name timm has no weights for
         repo = f"timm/{model}"
     return (f"HF_HUB_OFFLINE=0 hf download {shlex.quote(repo)} model.safetensors "
@@ -78,7 +79,7 @@ class TimmViT(Backbone):
         self.model = model
         self.checkpoint = None if checkpoint is None else Path(checkpoint).expanduser()
         self.model_kwargs = dict(model_kwargs or {})
-        self._shape_model: nn.Module | None = None
+        self._shape_model: Any = None  # a timm VisionTransformer on the meta device
 
     def download_folder(self) -> Path | None:
         """The folder ``hf download`` fills for this backbone: ``checkpoint`` itself when it
@@ -108,7 +109,7 @@ class TimmViT(Backbone):
         raise FileNotFoundError(
             f"pretrained weights for backbone '{self.name}' (timm model {self.model}) not found: "
             f"looked {looked}. uqbench never downloads weights. On a machine with internet "
-            f"run\n  {download_command(self.model, folder)}\n"
+            f"run\n  {download_command(self.model, folder or '<folder>')}\n"
             f"(from another machine, copy {folder} to the same place here; or set "
             f"paths.checkpoints=<folder> / UQBENCH_CHECKPOINTS), or use random weights with "
             f"backbone.pretrained=false.")
@@ -152,7 +153,7 @@ class TimmViT(Backbone):
         found = outermost(model, lambda m: type(m).__module__.startswith("timm.")
                           and callable(getattr(m, "set_grad_checkpointing", None)))
         for timm_model in found:
-            timm_model.set_grad_checkpointing(True)
+            timm_model.set_grad_checkpointing(True)  # type: ignore[operator]  # found: callable
         return switched_on(model, found, self.name)
 
     def _not_loaded(self, model: nn.Module, rng_state: torch.Tensor) -> list[str]:
@@ -169,7 +170,7 @@ class TimmViT(Backbone):
                 if name in fresh and value.numel() > 1 and value.is_floating_point()
                 and fresh[name].std() > 0 and torch.equal(value, fresh[name])]
 
-    def _shapes(self) -> nn.Module:
+    def _shapes(self) -> Any:
         """The architecture on the meta device (no memory, no weights): sizes and preprocessing."""
         if self._shape_model is None:
             import timm

@@ -21,17 +21,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from torch.utils.data import Dataset
 
-from uqbench.contracts import DataInfo
+from uqbench.contracts import DataInfo, one_of
 from uqbench.data.layout import DatasetCorruptError
 from uqbench.data.splits import ListDataset
 from uqbench.data.text import TextDataModule, read_hf_split
 
 LETTERS = "ABCDE"
-FORMATS = ("encoder", "causal_lm")
+# encoder: multiple-choice scoring; causal_lm: a lettered prompt, scored by the next token
+Format = Literal["encoder", "causal_lm"]
 
 
 # --- questions and prompts ----------------------------------------------------------------------
@@ -147,17 +149,13 @@ class ARCEasyData(TextDataModule):
     num_classes = len(LETTERS)
     layouts = ("arc_easy",)
 
-    def __init__(self, root: str | Path, name: str = "arc_easy", format: str = "causal_lm",
+    def __init__(self, root: str | Path, name: str = "arc_easy", format: Format = "causal_lm",
                  **kwargs: Any) -> None:
         super().__init__(root, name, **kwargs)
-        if format not in FORMATS:
-            raise ValueError(f"dataset.format '{format}' is unknown; valid: "
-                             f"{', '.join(FORMATS)} (encoder = multiple-choice scoring, "
-                             f"causal_lm = lettered prompt, next-token scoring)")
-        self.format = format
+        self.format = one_of("dataset.format", format, Format)
         self.answer_token_ids: list[int] | None = None
 
-    def build(self) -> dict[str, ListDataset]:
+    def build(self) -> dict[str, Dataset]:
         columns = ("id", "question", "choices", "answerKey")
         return {ours: ListDataset([normalise_arc(r) for r in
                                    read_hf_split("arc_easy", self.root, theirs, columns)])

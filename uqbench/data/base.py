@@ -30,7 +30,7 @@ from torch.utils.data import (
 )
 
 from uqbench.configs import options_where
-from uqbench.contracts import DataInfo, Shard
+from uqbench.contracts import DataInfo, InputBackbone, Shard
 
 
 class DataModule:
@@ -52,7 +52,7 @@ class DataModule:
     def check(self) -> None:
         """Fail fast (before any model is built) if the data is missing or malformed."""
 
-    def setup(self, backbone: Any = None) -> None:  # pragma: no cover - interface
+    def setup(self, backbone: InputBackbone | None = None) -> None:  # pragma: no cover
         raise NotImplementedError
 
     def dataset(self, split: str) -> Dataset:  # pragma: no cover - interface
@@ -92,7 +92,9 @@ class DataModule:
         if isinstance(dataset, TensorDataset) and self.num_workers == 0:
             return TensorBatches(dataset.tensors, batch_size, shuffle=train, shard=shard,
                                  skip=skip, on_skip=on_skip)
-        sampler = RandomSampler(dataset) if train else SequentialSampler(dataset)
+        # every split is a map-style dataset, which has a length
+        sampler = (RandomSampler(dataset) if train  # type: ignore[arg-type]
+                   else SequentialSampler(dataset))  # type: ignore[arg-type]
         return DataLoader(
             dataset,
             batch_sampler=MicroBatchSampler(sampler, batch_size, shard, skip, on_skip),
@@ -103,7 +105,7 @@ class DataModule:
         )
 
     def num_train_batches(self) -> int:
-        n = len(self.dataset("train"))
+        n = len(self.dataset("train"))  # type: ignore[arg-type]  # a map-style dataset
         return max(1, -(-n // self.batch_size))
 
 
@@ -186,23 +188,34 @@ class TensorBatches:
         skipped(len(sizes))
 
 
-def check_modality(dataset: str, backbone: Any, modality: str) -> None:
-    """The backbone must take the data's kind of input (image, text, tabular)."""
-    got = getattr(backbone, "modality", None)
+def check_modality(dataset: str, backbone: InputBackbone | None,
+                   modality: str) -> InputBackbone:
+    """The backbone, which must take the data's kind of input (image, text, tabular)."""
+    got = None if backbone is None else backbone.modality
     if got != modality:
-        name = (f"backbone '{getattr(backbone, 'name', backbone)}'" if backbone is not None
-                else "no backbone")
+        name = "no backbone" if backbone is None else f"backbone '{backbone.name}'"
         raise ValueError(
             f"the modalities do not match: dataset '{dataset}' holds {modality} inputs but "
             f"{name} takes {got or 'no'} inputs; pick a {modality} backbone, one of: "
             f"{', '.join(options_where('backbone', 'modality', modality))}")
+    assert backbone is not None  # a backbone of the right modality
+    return backbone
 
 
-def check_image_size(dataset: str, size: int, backbone: Any) -> None:
+def image_shape(backbone: InputBackbone) -> tuple[int, int, int]:
+    """(3, H, W): the images the backbone takes (the image datasets' default where it says
+    nothing)."""
+    from uqbench.data.transforms import DEFAULT_DATA_CONFIG
+
+    c, h, w = (int(v) for v in (backbone.data_config() or DEFAULT_DATA_CONFIG)["input_size"])
+    return c, h, w
+
+
+def check_image_size(dataset: str, size: int, backbone: InputBackbone) -> None:
     """Images of ``size`` px must be what the backbone takes, unless it takes any size."""
-    if getattr(backbone, "dynamic_image_size", False):
+    if backbone.dynamic_image_size:
         return
-    expected = tuple(int(v) for v in backbone.data_config()["input_size"][1:])
+    expected = image_shape(backbone)[1:]
     if (size, size) != expected:
         raise ValueError(
             f"dataset.image_size={size} but backbone '{backbone.name}' takes "

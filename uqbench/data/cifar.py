@@ -48,7 +48,8 @@ from uqbench.data.splits import holdout_split
 def read_cifar(folder: Path, files: Sequence[str], dataset: str
                ) -> tuple[np.ndarray, np.ndarray]:
     """Images (N, 32, 32, 3) uint8 and labels (N,) int64 from CIFAR python pickles."""
-    images, labels = [], []
+    images: list[np.ndarray] = []
+    labels: list[int] = []
     for name in files:
         path = folder / name
         try:
@@ -170,6 +171,7 @@ class CIFAR100Data(ImageDataModule):
             raise DatasetCorruptError(
                 "CIFAR-100-C is present but malformed:\n" + "\n".join(f"  - {p}" for p in problems)
                 + "\n  fix: re-fetch with `uqbench-data download cifar100_c --force`")
+        assert rows is not None  # None comes with a problem, raised above
         return rows // 5
 
     def build(self, train_transform: Callable, eval_transform: Callable) -> dict[str, Dataset]:

@@ -39,6 +39,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset, TensorDataset
 
+from uqbench.contracts import InputBackbone
 from uqbench.data.base import resolve_names
 from uqbench.data.cifar import resolve_severities
 from uqbench.data.image_base import ArrayImageDataset, ImageDataModule
@@ -141,7 +142,7 @@ def corrupt_images(images: np.ndarray, corruption: str, severity: int, seed: int
     from imagecorruptions import corrupt
     from imagecorruptions import corruptions as library
 
-    key = (hashlib.sha1(np.ascontiguousarray(images)).hexdigest(), images.shape, corruption,
+    key = (hashlib.sha1(np.ascontiguousarray(images).data).hexdigest(), images.shape, corruption,
            int(severity), int(seed))
     if key in _CORRUPTED:
         return _CORRUPTED[key]
@@ -202,9 +203,9 @@ class DigitsData(ImageDataModule):
         if self.corruptions:
             corruption_names()  # the library imports
 
-    def setup(self, backbone: Any = None) -> None:
-        pretrained_on = getattr(backbone, "pretrain_split_seed", None)
-        if pretrained_on is not None and int(pretrained_on) != self.split_seed:
+    def setup(self, backbone: InputBackbone | None = None) -> None:
+        pretrained_on = None if backbone is None else backbone.pretrain_split_seed
+        if backbone is not None and pretrained_on not in (None, self.split_seed):
             raise ValueError(
                 f"backbone '{backbone.name}' was pretrained on the digits split with "
                 f"split_seed={pretrained_on}, but dataset.split_seed={self.split_seed}: its "

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from uqbench.contracts import DataInfo
-from uqbench.data.base import DataModule, check_image_size, check_modality
+from uqbench.contracts import DataInfo, InputBackbone
+from uqbench.data.base import DataModule, check_image_size, check_modality, image_shape
 
 SPLITS = ("train", "val", "test", "ood")
 
@@ -76,22 +76,23 @@ class FakeImages(_FakeData):
         self.signal = float(signal)
         self.shape: tuple[int, int, int] | None = None
 
-    def setup(self, backbone: Any = None) -> None:
+    def setup(self, backbone: InputBackbone | None = None) -> None:
         if backbone is None and self.image_size is not None:  # the data alone (tests, figures)
             self.shape = (3, self.image_size, self.image_size)
         else:
-            check_modality(self.name, backbone, "image")
+            backbone = check_modality(self.name, backbone, "image")
             if self.image_size is not None:
                 check_image_size(self.name, self.image_size, backbone)
-            self.shape = tuple(int(v) for v in backbone.data_config()["input_size"])
+            self.shape = image_shape(backbone)
+        shape = self.shape
         g = torch.Generator().manual_seed(self.seed)
-        prototypes = torch.randn(2 * self.num_classes, *self.shape, generator=g)
+        prototypes = torch.randn(2 * self.num_classes, *shape, generator=g)
         self._datasets = {}
         for split, n in self.sizes.items():
             g = torch.Generator().manual_seed(self.split_seed(split))
             y = torch.randint(self.num_classes, (n,), generator=g)
             proto = prototypes[y + self.num_classes] if split == "ood" else prototypes[y]
-            x = self.signal * proto + torch.randn(n, *self.shape, generator=g)
+            x = self.signal * proto + torch.randn(n, *shape, generator=g)
             self._datasets[split] = TensorDataset(x, y)
 
     def settings(self) -> dict[str, Any]:
@@ -145,8 +146,8 @@ class FakeText(_FakeData):
             labels.append(y)
         return texts, labels
 
-    def setup(self, backbone: Any = None) -> None:
-        check_modality(self.name, backbone, "text")
+    def setup(self, backbone: InputBackbone | None = None) -> None:
+        backbone = check_modality(self.name, backbone, "text")
         tok = backbone.tokenizer()
         self._datasets = {}
         for split in self.sizes:

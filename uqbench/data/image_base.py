@@ -16,6 +16,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.datasets.folder import default_loader
 
+from uqbench.contracts import InputBackbone
 from uqbench.data.base import check_modality
 from uqbench.data.splits import SplitDataModule
 from uqbench.data.transforms import ImagePreprocessing
@@ -78,7 +79,7 @@ class ImageDataModule(SplitDataModule):
               ) -> dict[str, Dataset]:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def setup(self, backbone: Any = None) -> None:
+    def setup(self, backbone: InputBackbone | None = None) -> None:
         self.check()
         if backbone is not None:  # None: timm's default preprocessing (the data alone)
             check_modality(self.name, backbone, "image")

@@ -12,13 +12,14 @@ Splits: train, val, test (in distribution) and ood. Inputs and targets are (N, 1
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from uqbench.contracts import DataInfo
+from uqbench.contracts import DataInfo, InputBackbone
 from uqbench.data.base import DataModule
 
 SPLITS = ("train", "val", "test", "ood")
@@ -30,7 +31,8 @@ class PolynomialData(DataModule):
     eval_splits = ("test",)
     ood_splits = ("ood",)
 
-    def __init__(self, name: str = "polynomial", coefficients: list[float] = (0.0, -1.0, 0.0, 1.0),
+    def __init__(self, name: str = "polynomial",
+                 coefficients: Sequence[float] = (0.0, -1.0, 0.0, 1.0),
                  noise_base: float = 0.05, noise_scale: float = 0.3, noise_power: float = 1.0,
                  train_range: tuple[float, float] = (-1.5, 1.5),
                  ood_range: tuple[float, float] = (-2.25, 2.25),
@@ -67,7 +69,8 @@ class PolynomialData(DataModule):
 
     # -- the generating process ------------------------------------------------------------
     def trend(self, x: torch.Tensor) -> torch.Tensor:
-        return sum(c * x ** k for k, c in enumerate(self.coefficients))
+        terms = [c * x ** k for k, c in enumerate(self.coefficients)]
+        return cast(torch.Tensor, sum(terms))  # a tensor: one term at least (checked above)
 
     def noise_std(self, x: torch.Tensor) -> torch.Tensor:
         base, scale, power = self.noise
@@ -82,7 +85,7 @@ class PolynomialData(DataModule):
         u = (left + right) * torch.rand(n, 1, generator=gen, dtype=torch.float64)
         return torch.where(u < left, olo + u, hi + (u - left))
 
-    def setup(self, backbone: Any = None) -> None:
+    def setup(self, backbone: InputBackbone | None = None) -> None:
         gen = torch.Generator().manual_seed(self.seed)
         for split in SPLITS:
             x = self._inputs(split, self.sizes[split], gen)

@@ -82,7 +82,8 @@ class SplitDataModule(DataModule):
     def settings(self) -> dict[str, Any]:
         if self._datasets is None:
             return {}
-        return {"sizes": {s: len(d) for s, d in self._datasets.items()
+        return {"sizes": {s: len(d)  # type: ignore[arg-type]  # map-style datasets
+                          for s, d in self._datasets.items()
                           if not s.startswith("test_c/")}}
 
     def _require_setup(self) -> dict[str, Dataset]:

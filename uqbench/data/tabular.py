@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from uqbench.contracts import DataInfo
+from uqbench.contracts import DataInfo, InputBackbone
 from uqbench.data.base import DataModule, check_modality
 
 SOURCES = ("diabetes",)  # bundled sources; any path ending in .csv works too
@@ -291,7 +291,7 @@ class TabularRegressionData(DataModule):
         y = (self.table.targets[rows] - self.y_mean) / self.y_std
         return TensorDataset(torch.from_numpy(x).float(), torch.from_numpy(y[:, None]).float())
 
-    def setup(self, backbone: Any = None) -> None:
+    def setup(self, backbone: InputBackbone | None = None) -> None:
         if backbone is not None:  # the splits are ready; only the backbone's input is checked
             check_modality(self.name, backbone, "tabular")
 

@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.data import Dataset
 
+from uqbench.contracts import InputBackbone
 from uqbench.data.base import check_modality
 from uqbench.data.layout import LAYOUTS, DatasetCorruptError, hf_split_files
 from uqbench.data.splits import ListDataset, SplitDataModule, holdout_split
@@ -34,7 +36,7 @@ def read_hf_split(name: str, root: str | Path, split: str, columns: tuple[str, .
                   ) -> list[dict[str, Any]]:
     """Rows of one split of a Hugging Face dataset saved under the data root, as dicts."""
     folder = LAYOUTS[name].path(root)
-    kind, files = hf_split_files(folder, split)  # presence was checked by require()
+    kind, files = hf_split_files(folder, split)  # type: ignore[misc]  # require() checked it
     import pyarrow as pa
 
     try:
@@ -78,11 +80,9 @@ class SentenceCollator:
 
 # --- the datasets -------------------------------------------------------------------------------
 
-def backbone_tokenizer(backbone: Any, dataset: str) -> Any:
+def backbone_tokenizer(backbone: InputBackbone | None, dataset: str) -> Any:
     """The text backbone's Hugging Face tokenizer; any other backbone is refused by name."""
-    check_modality(dataset, backbone, "text")
-    get = backbone.tokenizer
-    return get if hasattr(get, "pad_token_id") else get()  # a tokenizer attribute or a method
+    return check_modality(dataset, backbone, "text").tokenizer()
 
 
 class TextDataModule(SplitDataModule):
@@ -97,15 +97,16 @@ class TextDataModule(SplitDataModule):
         self.tokenizer: Any = None
         self.max_length = DEFAULT_MAX_LENGTH
 
-    def setup(self, backbone: Any = None) -> None:
+    def setup(self, backbone: InputBackbone | None = None) -> None:
         self.check()
         self.tokenizer = backbone_tokenizer(backbone, self.name)
-        self.max_length = int(self.max_length_override or getattr(backbone, "max_length", None)
+        assert backbone is not None  # backbone_tokenizer refuses None
+        self.max_length = int(self.max_length_override or backbone.max_length
                               or DEFAULT_MAX_LENGTH)
         self._datasets = self.build()
         self.collate_fn = self.make_collate()
 
-    def build(self) -> dict[str, ListDataset]:  # pragma: no cover - interface
+    def build(self) -> dict[str, Dataset]:  # pragma: no cover - interface
         raise NotImplementedError
 
     def make_collate(self) -> Any:  # pragma: no cover - interface
@@ -136,10 +137,10 @@ class SST2Data(TextDataModule):
                 f"re-fetch with `uqbench-data download sst2 --force`")
         return [(str(r["sentence"]), int(r["label"])) for r in rows]
 
-    def build(self) -> dict[str, ListDataset]:
+    def build(self) -> dict[str, Dataset]:
         train = self._rows("train")
         train_idx, val_idx = holdout_split(len(train), self.val_fraction, self.split_seed)
-        out = {"train": ListDataset([train[i] for i in train_idx])}
+        out: dict[str, Dataset] = {"train": ListDataset([train[i] for i in train_idx])}
         if len(val_idx):
             out["val"] = ListDataset([train[i] for i in val_idx])
         out["test"] = ListDataset(self._rows("validation"))

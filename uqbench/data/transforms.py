@@ -21,6 +21,8 @@ from typing import Any
 from timm.data.transforms_factory import transforms_imagenet_eval
 from torchvision import transforms as T
 
+from uqbench.contracts import InputBackbone
+
 DEFAULT_DATA_CONFIG: dict[str, Any] = {
     "input_size": (3, 224, 224),
     "mean": (0.485, 0.456, 0.406),
@@ -39,23 +41,22 @@ class ImagePreprocessing:
     """Resolved preprocessing: output size (H, W), normalisation and the eval crop."""
 
     size: tuple[int, int]
-    mean: tuple[float, float, float]
-    std: tuple[float, float, float]
+    mean: tuple[float, ...]  # one per channel (RGB)
+    std: tuple[float, ...]
     crop_pct: float
     interpolation: str
     crop_mode: str = "center"
 
     @classmethod
-    def from_backbone(cls, backbone: Any = None, crop_pct: float | None = None
+    def from_backbone(cls, backbone: InputBackbone | None = None, crop_pct: float | None = None
                       ) -> ImagePreprocessing:
         """From ``backbone.data_config()`` where it exists, else the defaults.
 
         ``crop_pct`` overrides the backbone's (e.g. 1.0: resize the whole image, no crop).
         """
         config = dict(DEFAULT_DATA_CONFIG)
-        get = getattr(backbone, "data_config", None)
-        if callable(get):
-            config.update({k: v for k, v in dict(get()).items() if v is not None})
+        own = None if backbone is None else backbone.data_config()
+        config.update({k: v for k, v in (own or {}).items() if v is not None})
         if crop_pct is not None:
             config["crop_pct"] = crop_pct
         input_size = tuple(int(v) for v in config["input_size"])

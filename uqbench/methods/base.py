@@ -78,7 +78,7 @@ class Method(nn.Module):
         """The trained parameters by member; by default one model: all of them shared."""
         return MemberParameters(shared=list(self.trainable_parameters().values()))
 
-    def param_counts(self) -> dict[str, int]:
+    def param_counts(self) -> dict[str, int | float]:
         total = sum(p.numel() for p in self.parameters())
         trainable = sum(p.numel() for p in self.trainable_parameters().values())
         return {"total": total, "trainable": trainable}

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from uqbench.backbones.base import Backbone
 from uqbench.contracts import Batch, DataInfo
 from uqbench.methods.base import MemberParameters
 from uqbench.methods.ensemble import EnsembleMethod, Inputs, check_members, check_sigma
@@ -83,7 +84,7 @@ class DeepEnsemble(EnsembleMethod):
     would be initialised and trained inside it (see the module docstring); logits (1, B, C).
     """
 
-    def __init__(self, backbone: Any, info: DataInfo, members: int = 4, finetune: bool = True,
+    def __init__(self, backbone: Backbone, info: DataInfo, members: int = 4, finetune: bool = True,
                  vectorize: bool = False, sigma_init: float = 0.01, member: int | None = None,
                  name: str = "deep_ensemble") -> None:
         sigma_init = check_sigma(sigma_init)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -27,7 +28,8 @@ from torch import nn
 from uqbench.methods.layers import repeat_members
 
 LEVELS = 1 << 16  # 16-bit uniforms: the keep probability is a multiple of 1/65536
-MASKS = ("fast", "torch")
+Masks = Literal["fast", "torch"]
+MASKS: tuple[str, ...] = get_args(Masks)
 
 
 def kept_levels(p: float) -> int:
@@ -115,7 +117,7 @@ def repeat_at_first_dropout(root: nn.Module, passes: int) -> Iterator[dict[str, 
     still has B rows)."""
     state = {"repeated": False}
 
-    def hook(module: nn.Module, args: tuple) -> tuple | None:
+    def hook(module: nn.Dropout, args: tuple) -> tuple | None:
         if state["repeated"] or not (module.training and module.p > 0):
             return None
         state["repeated"] = True

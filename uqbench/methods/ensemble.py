@@ -20,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from uqbench.backbones.base import Backbone
 from uqbench.contracts import Batch, DataInfo
 from uqbench.methods.base import MemberParameters, Method
-from uqbench.methods.heads import EnsembleHead, answer_rows, check_head_init
+from uqbench.methods.heads import EnsembleHead, HeadInit, answer_rows, check_head_init
 from uqbench.methods.layers import (
     Inputs,
     MemberLinear,
@@ -85,8 +86,8 @@ class EnsembleMethod(Method):
     shared_head = False
     released_params = 0  # pretrained entries the method dropped (SVE's decomposed W)
 
-    def __init__(self, backbone: Any, info: DataInfo, members: int, name: str,
-                 head_init: str = "default", head_sigma: float = 0.0) -> None:
+    def __init__(self, backbone: Backbone, info: DataInfo, members: int, name: str,
+                 head_init: HeadInit = "default", head_sigma: float = 0.0) -> None:
         super().__init__()
         self.name = name
         self.members = check_members(members)
@@ -94,17 +95,16 @@ class EnsembleMethod(Method):
         if info.task != "classification" or not info.num_classes or info.num_classes < 2:
             raise ValueError(f"method '{name}' needs a classification dataset with >= 2 classes, "
                              f"got task={info.task!r}, num_classes={info.num_classes!r}")
-        modality = getattr(backbone, "modality", None)
-        if modality not in FEATURE_MODALITIES:
+        if backbone.modality not in FEATURE_MODALITIES:
             raise ValueError(
                 f"method '{name}' classifies the features of an image or text backbone; "
-                f"'{getattr(backbone, 'name', backbone)}' has modality {modality!r}. Pick one of: "
+                f"'{backbone.name}' has modality {backbone.modality!r}. Pick one of: "
                 f"{wrappable_backbones()}")
         self.num_classes = int(info.num_classes)
         self.multiple_choice = bool(info.multiple_choice)
         self.backbone_name = backbone.name
         self.encoder = backbone.build()
-        if getattr(backbone, "device", None) is not None:  # decompose/copy where it will run
+        if backbone.device is not None:  # decompose/copy where it will run
             self.encoder.to(backbone.device)
         self.encoder.requires_grad_(False)
         self.base_params = count(self.encoder.parameters())
@@ -174,7 +174,7 @@ class EnsembleMethod(Method):
         scored on its own (``uqbench.methods.multiple_choice``); absent choices (``choice_mask``
         false) get probability 0."""
         if self.multiple_choice:
-            return score_choices(self.logits, inputs)
+            return score_choices(self.logits, inputs)  # type: ignore[arg-type]  # a dict
         mask = inputs.get("choice_mask") if isinstance(inputs, dict) else None
         return mask_absent(self.logits(inputs), mask)
 

@@ -16,20 +16,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Literal, get_args
 
 import torch
 from torch import nn
 
-HEAD_INITS = ("default", "p1")
+from uqbench.backbones.base import Backbone
+
+HeadInit = Literal["default", "p1"]
+HEAD_INITS: tuple[str, ...] = get_args(HeadInit)
 
 
-def check_head_init(init: str) -> str:
+def check_head_init(init: str) -> HeadInit:
     """``init`` if it is one of :data:`HEAD_INITS`, else a ValueError naming the choices."""
     if init not in HEAD_INITS:
         raise ValueError(f"method.head_init '{init}' is not one of {HEAD_INITS} (default: "
                          f"nn.Linear's uniform init; p1: weights N(0, 0.01²), zero bias)")
-    return init
+    return init  # type: ignore[return-value]  # one of HEAD_INITS
 
 
 class EnsembleHead(nn.Module):
@@ -85,13 +88,11 @@ class EnsembleHead(nn.Module):
         return f"sets={S}, in_features={D}, outputs={C}"
 
 
-def answer_rows(backbone: Any, token_ids: Sequence[int] | None) -> torch.Tensor | None:
+def answer_rows(backbone: Backbone, token_ids: Sequence[int] | None) -> torch.Tensor | None:
     """The causal LM's output-embedding rows (C, D) of the answer tokens, or None.
 
     None when the data is not answered by next tokens (``token_ids`` None) or the backbone is
-    not a causal LM (it has no ``output_rows``, or that returns None). Call after
+    not a causal LM (its ``output_rows`` returns None). Call after
     ``backbone.build()``: the rows are read from the built model.
     """
-    if token_ids is None or not callable(getattr(backbone, "output_rows", None)):
-        return None
-    return backbone.output_rows(token_ids)
+    return None if token_ids is None else backbone.output_rows(token_ids)

@@ -25,15 +25,19 @@ combine it with every backbone.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
 
+from uqbench.backbones.base import Backbone
 from uqbench.configs import options_with
 
 Inputs = torch.Tensor | dict[str, torch.Tensor]
-QKV_FORMS = ("split", "fused")
+Qkv = Literal["split", "fused"]
+QKV_FORMS: tuple[str, ...] = get_args(Qkv)
+# What method.targets may name besides a list of module-name suffixes (null: all).
+Targets = Literal["all", "attention"] | Sequence[str] | None
 
 
 def wrappable_backbones() -> str:
@@ -49,7 +53,8 @@ def repeat_members(inputs: Inputs, members: int) -> Inputs:
     if members == 1:
         return inputs
     if isinstance(inputs, dict):
-        return {k: repeat_members(v, members) for k, v in inputs.items()}
+        return {k: repeat_members(v, members)  # type: ignore[misc]  # a tensor per key
+                for k, v in inputs.items()}
     if isinstance(inputs, torch.Tensor):
         return inputs.repeat(members, *([1] * (inputs.dim() - 1)))
     raise TypeError(f"inputs must be a tensor or a dict of tensors, got {type(inputs).__name__}")
@@ -129,17 +134,17 @@ def matches(name: str, suffix: str) -> bool:
     return name == suffix or name.endswith("." + suffix)
 
 
-def resolve_targets(backbone: Any, targets: str | Sequence[str] | None, method: str) -> list[str]:
+def resolve_targets(backbone: Backbone, targets: Targets,
+                    method: str) -> list[str]:
     """The module-name suffixes a method adapts.
 
     targets: null or "all" → ``backbone.targets``; "attention" → ``backbone.attention_targets``;
     a list → used as given (``method.targets=[q_proj,v_proj]``).
     """
-    name = getattr(backbone, "name", type(backbone).__name__)
     if targets is None or targets == "all":
-        chosen, field = list(getattr(backbone, "targets", ()) or ()), "targets"
+        chosen, field = list(backbone.targets), "targets"
     elif targets == "attention":
-        chosen, field = list(getattr(backbone, "attention_targets", ()) or ()), "attention_targets"
+        chosen, field = list(backbone.attention_targets), "attention_targets"
     elif isinstance(targets, str):
         raise ValueError(f"method.targets '{targets}' is not one of: null, all, attention, or a "
                          f"list of module-name suffixes such as [qkv,proj]")
@@ -148,9 +153,9 @@ def resolve_targets(backbone: Any, targets: str | Sequence[str] | None, method: 
     if not chosen:
         where = f"backbone.{field} is empty" if field else "method.targets is empty"
         raise ValueError(
-            f"method '{method}' adapts pretrained linear layers, but backbone '{name}' declares "
-            f"none ({where}). Pick a backbone that declares targets ({wrappable_backbones()}) "
-            f"or set method.targets=[<module-name suffixes>]")
+            f"method '{method}' adapts pretrained linear layers, but backbone "
+            f"'{backbone.name}' declares none ({where}). Pick a backbone that declares targets "
+            f"({wrappable_backbones()}) or set method.targets=[<module-name suffixes>]")
     return chosen
 
 
@@ -182,14 +187,14 @@ def replace_linears(model: nn.Module, suffixes: Sequence[str],
     return names
 
 
-def check_qkv(qkv: Any) -> str:
+def check_qkv(qkv: Any) -> Qkv:
     """``qkv`` if it is one of :data:`QKV_FORMS`, else a ValueError naming the choices."""
     if qkv not in QKV_FORMS:
         raise ValueError(f"method.qkv '{qkv}' is not one of {QKV_FORMS} (split: q, k and v "
                          f"each get their own parameters; fused: the fused qkv matrix as one)")
-    return str(qkv)
+    return qkv  # type: ignore[no-any-return]  # one of QKV_FORMS
 
 
-def fused_qkv(backbone: Any, name: str) -> bool:
+def fused_qkv(backbone: Backbone, name: str) -> bool:
     """True if module ``name`` is one of the backbone's fused q/k/v layers (``fused_qkv``)."""
-    return any(matches(name, s) for s in getattr(backbone, "fused_qkv", ()) or ())
+    return any(matches(name, s) for s in backbone.fused_qkv)

@@ -11,16 +11,18 @@ split``; ``fused`` puts one adapter on the fused matrix instead).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from uqbench.backbones.base import Backbone
 from uqbench.contracts import DataInfo
 from uqbench.methods.ensemble import EnsembleMethod, positive_int
 from uqbench.methods.layers import (
     MemberLinear,
+    Qkv,
+    Targets,
     check_qkv,
     fused_qkv,
     replace_linears,
@@ -111,9 +113,9 @@ class LoRAEnsemble(EnsembleMethod):
     Trains each wrapped layer's lora_A and lora_B and the heads.
     """
 
-    def __init__(self, backbone: Any, info: DataInfo, members: int = 4, rank: int = 8,
+    def __init__(self, backbone: Backbone, info: DataInfo, members: int = 4, rank: int = 8,
                  init_gain: float = 10.0, alpha: float | None = None,
-                 targets: str | Sequence[str] | None = "attention", qkv: str = "split",
+                 targets: Targets = "attention", qkv: Qkv = "split",
                  name: str = "lora_ensemble") -> None:
         rank = positive_int(rank, "method.rank", " (the official CIFAR runs use 8)")
         qkv = check_qkv(qkv)

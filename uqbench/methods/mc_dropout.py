@@ -34,15 +34,17 @@ masks, hence their numbers for a given seed, differ from ``fast``'s).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
+from uqbench.backbones.base import Backbone
 from uqbench.contracts import DataInfo
 from uqbench.methods.dropout import (
     MASKS,
     FastDropout,
+    Masks,
     fast_dropouts,
     quantised_rate,
     repeat_at_first_dropout,
@@ -63,8 +65,8 @@ class MCDropout(EnsembleMethod):
 
     shared_head = True  # the T passes are samples of one model
 
-    def __init__(self, backbone: Any, info: DataInfo, samples: int = 10,
-                 p: float | None = 0.1, finetune: bool = True, masks: str = "fast",
+    def __init__(self, backbone: Backbone, info: DataInfo, samples: int = 10,
+                 p: float | None = 0.1, finetune: bool = True, masks: Masks = "fast",
                  name: str = "mc_dropout") -> None:
         samples = positive_int(samples, "method.samples", " (stochastic test-time passes)")
         if p is not None and not 0 <= float(p) < 1:
@@ -82,7 +84,7 @@ class MCDropout(EnsembleMethod):
                     if isinstance(m, nn.Dropout) and n not in attention]
         if self.p is not None:
             for n in dropouts:
-                self.encoder.get_submodule(n).p = self.p
+                cast(nn.Dropout, self.encoder.get_submodule(n)).p = self.p
         self.backbone_dropouts = len(dropouts)
         self.masks = masks
         head_dropout = FastDropout if masks == "fast" else nn.Dropout
@@ -92,21 +94,21 @@ class MCDropout(EnsembleMethod):
         self.train_declared()
         self.train()
 
-    def _attention_dropout_off(self, backbone: Any) -> list[str]:
+    def _attention_dropout_off(self, backbone: Backbone) -> list[str]:
         """Rate 0 on the backbone's attention-probability dropouts; returns their names."""
-        suffixes = tuple(getattr(backbone, "attention_dropouts", ()) or ())
+        suffixes = tuple(backbone.attention_dropouts)
         names = [n for n, m in self.encoder.named_modules()
                  if isinstance(m, nn.Dropout) and any(matches(n, s) for s in suffixes)]
         for n in names:
-            self.encoder.get_submodule(n).p = 0.0
+            cast(nn.Dropout, self.encoder.get_submodule(n)).p = 0.0
         return names
 
-    def _remove_feature_dropout(self, backbone: Any) -> bool:
+    def _remove_feature_dropout(self, backbone: Backbone) -> bool:
         """Replace the backbone's own dropout of the pooled features by nn.Identity: the head's
         dropout is ours. True if there was one."""
-        name = getattr(backbone, "feature_dropout", None)
+        name = backbone.feature_dropout
         found = dict(self.encoder.named_modules()).get(name) if name else None
-        if not isinstance(found, nn.Dropout):
+        if not name or not isinstance(found, nn.Dropout):
             return False
         parent, _, child = name.rpartition(".")
         setattr(self.encoder.get_submodule(parent) if parent else self.encoder, child,

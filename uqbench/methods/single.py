@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from uqbench.backbones.base import Backbone
 from uqbench.contracts import DataInfo
 from uqbench.methods.ensemble import EnsembleMethod
 
@@ -17,7 +18,7 @@ class Single(EnsembleMethod):
     the frozen encoder).
     """
 
-    def __init__(self, backbone: Any, info: DataInfo, finetune: bool = True,
+    def __init__(self, backbone: Backbone, info: DataInfo, finetune: bool = True,
                  name: str = "single") -> None:
         super().__init__(backbone, info, members=1, name=name)
         self.finetune = bool(finetune)
@@ -25,7 +26,7 @@ class Single(EnsembleMethod):
             # Registered again so that it follows the head: the optimiser has always received
             # the head's parameters first, and gradient clipping sums the per-parameter norms
             # in that order (a different order changes the last bits of every update).
-            self.encoder = self._modules.pop("encoder")
+            self.encoder = self._modules.pop("encoder")  # type: ignore[assignment]  # set
         self.train_declared()
 
     def fine_tuned(self) -> list[nn.Module]:

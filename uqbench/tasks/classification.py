@@ -8,14 +8,18 @@ recomputed from ``predictions/<split>.npz``) and computes the metrics defined in
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
 from uqbench import metrics as M
-from uqbench.contracts import to_device
+from uqbench.contracts import one_of, to_device
 from uqbench.tasks.base import Predictions, Task
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 class ClassificationTask(Task):
@@ -28,15 +32,12 @@ class ClassificationTask(Task):
     name = "classification"
     METRICS = {"acc": "maximize", "nll": "minimize", "brier": "minimize", "ece": "minimize"}
 
-    def __init__(self, ece_bins: int = 15, aggregation: str = "mean_probs") -> None:
+    def __init__(self, ece_bins: int = 15, aggregation: M.Aggregation = "mean_probs") -> None:
         if int(ece_bins) < 1:
             raise ValueError(f"task.ece_bins must be a positive integer (15 or 10 are usual), "
                              f"got {ece_bins}")
-        if aggregation not in M.AGGREGATIONS:
-            raise ValueError(f"task.aggregation '{aggregation}' is not one of "
-                             f"{M.AGGREGATIONS}")
         self.ece_bins = int(ece_bins)
-        self.aggregation = aggregation
+        self.aggregation = one_of("task.aggregation", aggregation, M.Aggregation)
 
     @torch.no_grad()
     def predict(self, method: torch.nn.Module, loader: DataLoader,
@@ -65,7 +66,7 @@ class ClassificationTask(Task):
         """``{split}/acc``, ``/nll``, ``/brier``, ``/ece`` (fractions); with a calibration, the
         same of the temperature-scaled predictions under ``{split}/ts/``."""
         member_probs, y = self._tensors(preds)
-        out = {}
+        out: dict[str, float] = {}
         for prefix, probs in self._variants(split, member_probs, calibration):
             values = M.classification_metrics(probs, y, self.ece_bins, self.aggregation)
             out |= {f"{prefix}/{k}": v for k, v in values.items()}
@@ -164,7 +165,7 @@ class ClassificationTask(Task):
         return written
 
     @staticmethod
-    def _save(fig: object, path: Path) -> Path:
+    def _save(fig: Figure, path: Path) -> Path:
         import matplotlib.pyplot as plt
 
         fig.tight_layout()
