@@ -10,17 +10,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from uqbench.methods.moments import (
+from uqbench.methods.moments.activations import leaky_relu_moments
+from uqbench.methods.moments.layers import (
     GaussianConv2d,
     GaussianLinear,
     MomentAvgPool2d,
     MomentFlatten,
     MomentLeakyReLU,
     MomentSequential,
-    expected_link,
-    expected_softplus,
-    leaky_relu_moments,
 )
+from uqbench.methods.moments.links import expected_link, expected_softplus
 
 N_MC = 400_000
 

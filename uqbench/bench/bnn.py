@@ -27,7 +27,8 @@ from uqbench.bench.report import Record
 from uqbench.bench.timing import side_by_side
 from uqbench.contracts import DataInfo
 from uqbench.methods.bnn import BayesianMLP
-from uqbench.methods.moments import GaussianLinear, leaky_relu_moments
+from uqbench.methods.moments.activations import leaky_relu_moments
+from uqbench.methods.moments.layers import GaussianLinear
 
 SLOPE = 0.1
 NETS = {"1→64→64→1": (64, 2), "1→1024→1": (1024, 1)}

@@ -10,8 +10,8 @@ variance (aleatoric noise is absorbed by the parameter variances).
 ``variance: learned`` — a second output per target, a₂, gives the aleatoric variance through
 ``variance_link`` (softplus | exp); total variance = that + the propagated variance of the first
 output. Moment inference takes E[link(a₂)] under a₂'s propagated Gaussian (exact for that
-Gaussian, :func:`~uqbench.methods.moments.expected_link`); Monte Carlo averages link(a₂) over the
-sampled weight sets, so both estimate the same quantity.
+Gaussian, :func:`~uqbench.methods.moments.links.expected_link`); Monte Carlo averages link(a₂)
+over the sampled weight sets, so both estimate the same quantity.
 
 The loss is the negative ELBO: Σ_batch GaussianNLL(y; mean, var) + β·KL(q ‖ prior), with
 β = kl_scale / batches per epoch unless ``kl_weight`` sets it, and the prior N(0, prior_std²) per
@@ -23,7 +23,7 @@ differs). Prediction uses ``inference: moments`` or ``inference: mc`` (S sampled
 
 How the analytic pass is computed (:meth:`BayesianMLP.moment_pass`) changes its speed, not its
 numbers (they agree to rounding, gradients included): ``fused: true`` evaluates the same closed
-forms with fewer passes over memory (``forward_fused`` of :mod:`uqbench.methods.moments`),
+forms with fewer passes over memory (``forward_fused`` of :mod:`uqbench.methods.moments.layers`),
 ``fused: false`` runs the reference layers; ``compile: true`` also runs the fused pass through
 torch.compile when no gradient is taken (inference), which pays only once its compilation
 (seconds) is spread over many large batches.
@@ -43,17 +43,15 @@ from torch import nn
 from uqbench.configs import options_with
 from uqbench.contracts import Batch, DataInfo, RegressionOutput
 from uqbench.methods.base import Method
-from uqbench.methods.moments import (
-    LINKS,
+from uqbench.methods.moments.layers import (
     PRIORS,
     GaussianLinear,
     MomentLeakyReLU,
     MomentModule,
     MomentReLU,
     MomentSequential,
-    apply_link,
-    expected_link,
 )
+from uqbench.methods.moments.links import LINKS, apply_link, expected_link
 
 VARIANCES = ("embedded", "learned")
 INFERENCES = ("moments", "mc")
