@@ -59,7 +59,7 @@ class _GaussianParams(MomentModule):
             raise ValueError(f"prior '{prior}' is not one of {PRIORS}")
         self.prior = prior
         self.prior_std = float(prior_std) / (math.sqrt(fan_in) if prior == "fan_in" else 1.0)
-        bound = 1.0 / math.sqrt(fan_in)  # PyTorch's default Linear/Conv init range
+        bound = 1.0 / math.sqrt(fan_in)  # PyTorch's default nn.Linear init range
         self.weight_mu = nn.Parameter(torch.empty(weight_shape).uniform_(-bound, bound))
         self.weight_rho = nn.Parameter(torch.full(weight_shape, float(rho_init)))
         self.bias_mu = nn.Parameter(torch.empty(bias_size).uniform_(-bound, bound))
@@ -147,60 +147,6 @@ class GaussianLinear(_GaussianParams):
         return f"{self.in_features}, {self.out_features}, prior_std={self.prior_std}"
 
 
-class GaussianConv2d(_GaussianParams):
-    """Bayesian 2-D convolution, moments (B, C_in, H, W) → (B, C_out, H', W').
-
-    Same rule as the linear layer with the convolution in place of the matrix product, applied
-    to the squared kernels for the variance.
-    """
-
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1,
-                 padding: int = 0, prior_std: float = 1.0, rho_init: float = -2.0,
-                 prior: str = "fixed") -> None:
-        k = kernel_size
-        super().__init__((out_channels, in_channels, k, k), out_channels, in_channels * k * k,
-                         prior_std, rho_init, prior)
-        self.stride, self.padding = stride, padding
-
-    def _conv(self, x: torch.Tensor, w: torch.Tensor,
-              b: torch.Tensor | None = None) -> torch.Tensor:
-        return F.conv2d(x, w, b, stride=self.stride, padding=self.padding)
-
-    def forward(self, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        w_var = self.weight_var
-        out_mean = self._conv(mean, self.weight_mu, self.bias_mu)
-        out_var = (self._conv(var, self.weight_mu ** 2 + w_var) + self._conv(mean ** 2, w_var)
-                   + self.bias_var[:, None, None])
-        return out_mean, out_var
-
-    def forward_sampled(self, x: torch.Tensor) -> torch.Tensor:
-        """(S, B, C, H, W) → (S, B, C_out, H', W') via one grouped convolution over samples."""
-        S, B, C, H, W = x.shape
-        w, b = self.sample(S)  # (S, C_out, C, k, k), (S, C_out)
-        # samples become channel groups: (B, S*C, H, W) * (S*C_out, C, k, k) → (B, S*C_out, H', W')
-        y = F.conv2d(x.transpose(0, 1).reshape(B, S * C, H, W), w.flatten(0, 1), b.flatten(),
-                     stride=self.stride, padding=self.padding, groups=S)
-        return y.reshape(B, S, -1, *y.shape[-2:]).transpose(0, 1)
-
-
-class MomentAvgPool2d(MomentModule):
-    """Average pooling over n inputs: mean pooled, var = Σv / n² (independent inputs)."""
-
-    def __init__(self, kernel_size: int, stride: int | None = None) -> None:
-        super().__init__()
-        self.kernel_size, self.stride = kernel_size, stride or kernel_size
-
-    def forward(self, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n = self.kernel_size ** 2
-        pool = F.avg_pool2d
-        return (pool(mean, self.kernel_size, self.stride),
-                pool(var, self.kernel_size, self.stride) / n)
-
-    def forward_sampled(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.avg_pool2d(x.flatten(0, 1), self.kernel_size, self.stride)
-        return y.reshape(*x.shape[:2], *y.shape[1:])
-
-
 class MomentLeakyReLU(MomentModule):
     """Leaky-ReLU with slope a (ReLU: a = 0); moments by :func:`leaky_relu_moments`."""
 
@@ -226,16 +172,6 @@ class MomentLeakyReLU(MomentModule):
 class MomentReLU(MomentLeakyReLU):
     def __init__(self) -> None:
         super().__init__(0.0)
-
-
-class MomentFlatten(MomentModule):
-    """Flatten all but the batch axis (and the sample axis in sampled mode)."""
-
-    def forward(self, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return mean.flatten(1), var.flatten(1)
-
-    def forward_sampled(self, x: torch.Tensor) -> torch.Tensor:
-        return x.flatten(2)
 
 
 class MomentSequential(nn.Sequential):
