@@ -87,9 +87,9 @@ def check_options(variance: str = "embedded", inference: str = "moments",
         raise ValueError(f"method.kl_scale must be a finite number >= 0, got {kl_scale}")
     if kl_weight is not None and kl_weight < 0:
         raise ValueError(f"method.kl_weight must be >= 0 or null, got {kl_weight}")
-    for key, value in (("fused", fused), ("compile", compile)):
-        if not isinstance(value, bool):
-            raise ValueError(f"method.{key} must be true or false, got {value!r}")
+    for key, flag in (("fused", fused), ("compile", compile)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"method.{key} must be true or false, got {flag!r}")
     if compile and not fused:
         raise ValueError("method.compile: true compiles the fused moment pass; set "
                          "method.fused: true, or method.compile: false for the reference path")
@@ -160,7 +160,8 @@ class BayesianMLP(Method):
         self.kl_weight = (self.kl_scale / info.num_train_batches if kl_weight is None
                           else float(kl_weight))
         self.min_var = float(min_var)
-        self.fused, self.compile = fused, compile  # speed only: the same moments to rounding
+        # speed only: the same moments to rounding (not `compile`: nn.Module's own method)
+        self.fused, self.compile_inference = fused, compile
         self.out_dim = int(info.out_dim or 1)
         outputs = self.out_dim * (2 if variance == "learned" else 1)
         # The deterministic network only describes the layers: on the meta device it holds no
@@ -202,7 +203,7 @@ class BayesianMLP(Method):
         to rounding); no min_var, no link: the raw moment propagation."""
         if not self.fused:
             return self.net(x, torch.zeros_like(x))  # deterministic input: v = 0
-        if self.compile and not torch.is_grad_enabled():
+        if self.compile_inference and not torch.is_grad_enabled():
             return _compiled_fused_pass()(self.net, x)
         return self.net.forward_fused(x)
 

@@ -9,6 +9,7 @@ torch.compile they become one loop per layer.
 from __future__ import annotations
 
 import math
+from typing import Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +35,25 @@ def _erfc(z: torch.Tensor) -> torch.Tensor:
     return _erfc_kernel(z) if torch.compiler.is_compiling() else torch.special.erfc(z)
 
 
+# the six tensors _LeakyReLUMoments.backward reads: mean, s, Φ(t), φ(t), E₊, the output mean
+Saved = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@overload
 def _leaky_relu_moments_fused(mean: torch.Tensor, var: torch.Tensor, a: float,
-                              keep: bool = False) -> tuple[torch.Tensor, ...]:
+                              keep: Literal[False] = False) -> tuple[torch.Tensor, torch.Tensor]:
+    ...
+
+
+@overload
+def _leaky_relu_moments_fused(mean: torch.Tensor, var: torch.Tensor, a: float,
+                              keep: Literal[True]) -> tuple[torch.Tensor, torch.Tensor, Saved]:
+    ...
+
+
+def _leaky_relu_moments_fused(
+        mean: torch.Tensor, var: torch.Tensor, a: float, keep: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, Saved]:
     """:class:`_LeakyReLUMoments`'s mean and variance (and, ``keep``, the six tensors its
     backward reads), elementwise, shapes kept, from one erfc and one exp.
 

@@ -10,6 +10,8 @@ pass by :mod:`.fused`.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -174,8 +176,27 @@ class MomentReLU(MomentLeakyReLU):
         super().__init__(0.0)
 
 
-class MomentSequential(nn.Sequential):
-    """Chain of moment modules; ``kl`` sums the layers' KL terms."""
+class MomentSequential(MomentModule):
+    """Chain of moment modules; ``kl`` sums the layers' KL terms.
+
+    A MomentModule, not an nn.Sequential, since its forward takes and returns (mean, var); the
+    layers are its children "0", "1", … as in an nn.Sequential, so state dicts keep their keys.
+    """
+
+    def __init__(self, *layers: MomentModule) -> None:
+        super().__init__()
+        for i, layer in enumerate(layers):
+            self.add_module(str(i), layer)
+
+    def __iter__(self) -> Iterator[MomentModule]:
+        # every child is a MomentModule: __init__ registers nothing else
+        return iter(cast(dict[str, MomentModule], self._modules).values())
+
+    def __getitem__(self, index: int) -> MomentModule:
+        return list(self)[index]
+
+    def __len__(self) -> int:
+        return len(self._modules)
 
     def forward(self, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         for layer in self:

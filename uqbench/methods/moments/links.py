@@ -8,6 +8,7 @@ lemma for the gradients), the lognormal mean for exp.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import cache
 
 import numpy as np
@@ -62,7 +63,8 @@ def _dsigmoid(a: torch.Tensor) -> torch.Tensor:
 # r(a) = r(|a|)) or odd ("−": r(a) = −sign(a) r(|a|)); ``half`` gives r on u ≥ 0.
 #   softplus(a) = relu(a) + log1p(e^{−|a|})      sigmoid(a) = H(a) − sign(a)·σ(−|a|)
 #   σ'(a) = σ(a)σ(−a), no kink
-_INTEGRANDS = {
+_Fn = Callable[[torch.Tensor], torch.Tensor]
+_INTEGRANDS: dict[str, tuple[_Fn, _Fn, float]] = {  # name: (f, half-line remainder, sign)
     "softplus": (_softplus, lambda u: torch.log1p(torch.exp(-u)), 1.0),
     "sigmoid": (torch.sigmoid, lambda u: torch.sigmoid(-u), -1.0),
     "dsigmoid": (_dsigmoid, _dsigmoid, 1.0),
