@@ -71,8 +71,9 @@ latex:  ## Install a LaTeX engine for the LaTeX test (Debian, as root)
 	else apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
 		$(LATEX_PACKAGES); fi
 
-lint: $(STAMP)  ## Lint with ruff
+lint: $(STAMP)  ## Lint with ruff, then type-check uqbench with mypy (settings in pyproject.toml)
 	$(BIN)/ruff check uqbench tests
+	$(BIN)/mypy
 
 clean-runs:  ## Delete runs/ (asks first)
 	@read -p "Delete everything under runs/? [y/N] " a && [ "$$a" = y ] && rm -rf runs/*/ || echo kept

@@ -12,7 +12,7 @@ from uqbench.contracts import DataInfo
 from uqbench.data.polynomial import PolynomialData
 from uqbench.methods.base import Method
 from uqbench.methods.bnn import BayesianMLP
-from uqbench.methods.moments import GaussianLinear, MomentLeakyReLU
+from uqbench.methods.moments.layers import GaussianLinear, MomentLeakyReLU
 from uqbench.records.loggers import NullLogger
 from uqbench.runner.training import NonFiniteLossError
 from uqbench.tasks.regression import RegressionTask

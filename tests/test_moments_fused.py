@@ -12,11 +12,9 @@ import torch.nn.functional as F
 from uqbench.backbones.mlp import MLP
 from uqbench.contracts import DataInfo
 from uqbench.methods.bnn import BayesianMLP, check_options
-from uqbench.methods.moments import (
-    GaussianLinear,
-    leaky_relu_moments,
-    leaky_relu_moments_fused,
-)
+from uqbench.methods.moments.activations import leaky_relu_moments
+from uqbench.methods.moments.fused import leaky_relu_moments_fused
+from uqbench.methods.moments.layers import GaussianLinear
 
 # Tolerances. float64: both paths are exact to ~1e-13 relative except where a tail term cancels
 # (g = φ − |t|Φ(−|t|) loses ~t² digits, h₋ ~t⁴): 1e-9 relative covers |t| ≤ 40, and values

@@ -156,3 +156,11 @@ def test_llama_sve_training_memory_fits_one_80gb_gpu_with_checkpointing(job):
     assert ckpt["total"] < 80e9 < mem["bytes"]["total"]  # fits only with checkpointing
     fsdp8 = mem["layouts"]["fsdp8"]["bytes"]
     assert fsdp8["frozen_params"] == frozen // 8
+
+
+def test_overhead_options_that_are_not_a_mapping_are_refused():
+    """A list where the options mapping belongs is named, not read as options."""
+    from omegaconf import OmegaConf
+
+    with pytest.raises(ValueError, match=r"overhead must be a mapping of options, got \['cpu'\]"):
+        params_job(OmegaConf.create({"overhead": ["cpu"]}))

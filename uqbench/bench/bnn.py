@@ -27,7 +27,8 @@ from uqbench.bench.report import Record
 from uqbench.bench.timing import side_by_side
 from uqbench.contracts import DataInfo
 from uqbench.methods.bnn import BayesianMLP
-from uqbench.methods.moments import GaussianLinear, leaky_relu_moments
+from uqbench.methods.moments.activations import leaky_relu_moments
+from uqbench.methods.moments.layers import GaussianLinear
 
 SLOPE = 0.1
 NETS = {"1→64→64→1": (64, 2), "1→1024→1": (1024, 1)}
@@ -35,14 +36,14 @@ SECTION_SPEED = "Moment propagation: speed (Leaky-ReLU MLP, batch 1024, inferenc
 SECTION_ACCURACY = "Moment propagation vs Monte Carlo: accuracy (variance error vs 2·10⁵ draws)"
 
 
-def build_bnn(width: int, depth: int, device: torch.device, **options: bool) -> BayesianMLP:
-    """uqbench's BNN (embedded variance) on MLP(width, depth) with 1 input and 1 output;
-    ``options``: the method's ``fused`` and ``compile``. Seeded: every call gets the same
-    weights."""
+def build_bnn(width: int, depth: int, device: torch.device, fused: bool = True,
+              compile: bool = False) -> BayesianMLP:
+    """uqbench's BNN (embedded variance) on MLP(width, depth) with 1 input and 1 output, with
+    the method's ``fused`` and ``compile``. Seeded: every call gets the same weights."""
     info = DataInfo("regression", in_dim=1, out_dim=1, num_train_batches=20)
     torch.manual_seed(0)
-    return BayesianMLP(MLP(width=width, depth=depth, slope=SLOPE), info, **options
-                       ).to(device).eval()
+    return BayesianMLP(MLP(width=width, depth=depth, slope=SLOPE), info, fused=fused,
+                       compile=compile).to(device).eval()
 
 
 def plain_twin(bnn: BayesianMLP) -> nn.Sequential:
@@ -57,7 +58,7 @@ def plain_twin(bnn: BayesianMLP) -> nn.Sequential:
             layers.append(lin)
         else:
             layers.append(nn.LeakyReLU(SLOPE))
-    return nn.Sequential(*layers).to(bnn.net[0].weight_mu.device).eval()
+    return nn.Sequential(*layers).to(next(bnn.parameters()).device).eval()
 
 
 def moment_pass(bnn: BayesianMLP) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
@@ -124,8 +125,8 @@ def _speed_one(label: str, width: int, depth: int, device: torch.device, repeats
         "reference": functools.partial(build_bnn(width, depth, device, fused=False).moment_pass,
                                        x)}
     anchors = fastbnns_models(plain)
-    for k in ("analytic", "unscented") if anchors else ():
-        fns[k] = functools.partial(anchors[k], x)
+    if anchors is not None:
+        fns.update({k: functools.partial(anchors[k], x) for k in ("analytic", "unscented")})
     with torch.no_grad():
         t = side_by_side(fns, device, repeats=repeats, warmup=3)
     ratio = {k: v / t["plain"] for k, v in t.items()}

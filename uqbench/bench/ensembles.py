@@ -28,7 +28,10 @@ from torch import nn
 from uqbench.bench.report import Record
 from uqbench.bench.timing import peak_bytes, side_by_side, trainable_state_bytes
 from uqbench.contracts import DataInfo
+from uqbench.methods.base import Method
+from uqbench.methods.ensemble import EnsembleMethod
 from uqbench.methods.layers import wrapped_bytes
+from uqbench.methods.mc_dropout import MCDropout
 
 CLASSES = 10
 TOPK_KEY = "method.rank"  # SVE's top-k option: only the k largest singular directions adapt
@@ -74,7 +77,7 @@ MODELS = {
 }
 
 
-def build(model: Model, method: str, device: torch.device, *overrides: str) -> nn.Module:
+def build(model: Model, method: str, device: torch.device, *overrides: str) -> Method:
     """uqbench's method on the model's backbone, built from the real configs."""
     with initialize_config_module("uqbench.conf", version_base="1.3"):
         cfg = compose("config", overrides=[f"backbone={model.backbone}", f"method={method}",
@@ -89,17 +92,23 @@ def _optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.05, foreach=True)
 
 
-class Stepper:
-    """One training step and one inference call of a uqbench method on a fixed batch."""
+class PlainStepper:
+    """One training step and one inference call of a plain network returning logits (M·B, C)
+    (torch-uncertainty's wrappers and the bare backbone + head) on a fixed batch: the loss is
+    the members' mean cross-entropy."""
 
     def __init__(self, method: nn.Module, inputs: Any, labels: torch.Tensor) -> None:
         self.method, self.inputs, self.labels = method, inputs, labels
         self.params = [p for p in method.parameters() if p.requires_grad]
         self.optimizer = _optimizer(self.params)
 
+    def loss(self) -> torch.Tensor:
+        logits = self.method(self.inputs)
+        return F.cross_entropy(logits, self.labels.repeat(logits.shape[0] // len(self.labels)))
+
     def train_step(self) -> None:
         self.method.train()
-        loss = self.method.loss((self.inputs, self.labels))
+        loss = self.loss()
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
@@ -117,17 +126,16 @@ class Stepper:
         return peak_bytes(self.train_step, device, track=(self.method, self.optimizer))
 
 
-class PlainStepper(Stepper):
-    """The same for a plain network returning logits (M·B, C) (torch-uncertainty's wrappers
-    and the bare backbone + head): the loss is the members' mean cross-entropy."""
+class Stepper(PlainStepper):
+    """The same for a uqbench method: the loss is the method's own."""
 
-    def train_step(self) -> None:
-        self.method.train()
-        logits = self.method(self.inputs)
-        loss = F.cross_entropy(logits, self.labels.repeat(logits.shape[0] // len(self.labels)))
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
+    method: Method
+
+    def __init__(self, method: Method, inputs: Any, labels: torch.Tensor) -> None:
+        super().__init__(method, inputs, labels)
+
+    def loss(self) -> torch.Tensor:
+        return self.method.loss((self.inputs, self.labels))
 
 
 class _Headed(nn.Module):
@@ -139,12 +147,12 @@ class _Headed(nn.Module):
         self.encoder, self.head, self.text = encoder, head, text
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        if self.text:
-            inputs = {"input_ids": inputs, "attention_mask": torch.ones_like(inputs)}
-        return self.head(self.encoder(inputs))
+        encoded = (self.encoder({"input_ids": inputs, "attention_mask": torch.ones_like(inputs)})
+                   if self.text else self.encoder(inputs))
+        return self.head(encoded)
 
 
-def plain_network(single: nn.Module, text: bool) -> nn.Module:
+def plain_network(single: EnsembleMethod, text: bool) -> nn.Module:
     """A copy of uqbench's single model as a bare encoder + head (what a user would write)."""
     return _Headed(copy.deepcopy(single.encoder), nn.Linear(single.head.weight.shape[-1], CLASSES),
                    text).to(next(single.parameters()).device)
@@ -166,7 +174,7 @@ def time_rows(model: Model, members: int, batch: int, device: torch.device, repe
     inputs, labels = model.inputs(batch, device), torch.randint(0, CLASSES, (batch,),
                                                                 device=device)
     m = f"method.members={members}"
-    steppers = {
+    steppers: dict[str, PlainStepper] = {
         "single": Stepper(build(model, "single", device), inputs, labels),
         "sve": Stepper(build(model, "sve", device, m), inputs, labels),
         "de": Stepper(build(model, "deep_ensemble", device, m), inputs, labels),
@@ -180,10 +188,12 @@ def time_rows(model: Model, members: int, batch: int, device: torch.device, repe
         text = isinstance(inputs, dict)
         ids = inputs["input_ids"] if text else inputs
         single = steppers["single"].method
+        assert isinstance(single, EnsembleMethod)  # what the single config builds
         steppers["plain"] = PlainStepper(plain_network(single, text), ids, labels)
         steppers["tu_de"] = PlainStepper(deep_ensembles(plain_network(single, text),
                                                         num_estimators=members), ids, labels)
         mcd = copy.deepcopy(steppers["mcd"].method)
+        assert isinstance(mcd, MCDropout)  # what the mc_dropout config builds
         tu_net = _Headed(mcd.encoder, nn.Sequential(mcd.mc_dropout, nn.Linear(
             mcd.head.weight.shape[-1], CLASSES)), text).to(device)
         steppers["tu_mcd"] = PlainStepper(mc_dropout(tu_net, num_estimators=members,
@@ -228,8 +238,9 @@ def time_rows(model: Model, members: int, batch: int, device: torch.device, repe
                             f"{state['sve'] / 1e6:.3g} MB, Deep Ensemble "
                             f"{state['de'] / 1e6:.4g} MB, LoRA-Ensemble "
                             f"{state['lora'] / 1e6:.3g} MB"))
-    peaks = {k: steppers[k].peak(device) for k in ("sve", "de", "lora")}
-    if all(p is not None for p in peaks.values()):
+    measured = {k: steppers[k].peak(device) for k in ("sve", "de", "lora")}
+    peaks = {k: p for k, p in measured.items() if p is not None}
+    if len(peaks) == len(measured):
         rows.append(Record(f"SVE {tag} training-step peak memory / Deep Ensemble's{at}",
                            peaks["sve"] / peaks["de"], "×", dev, section=msection,
                            note=f"SVE {peaks['sve'] / 1e9:.3g} GB, Deep Ensemble "

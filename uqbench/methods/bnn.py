@@ -10,8 +10,8 @@ variance (aleatoric noise is absorbed by the parameter variances).
 ``variance: learned`` — a second output per target, a₂, gives the aleatoric variance through
 ``variance_link`` (softplus | exp); total variance = that + the propagated variance of the first
 output. Moment inference takes E[link(a₂)] under a₂'s propagated Gaussian (exact for that
-Gaussian, :func:`~uqbench.methods.moments.expected_link`); Monte Carlo averages link(a₂) over the
-sampled weight sets, so both estimate the same quantity.
+Gaussian, :func:`~uqbench.methods.moments.links.expected_link`); Monte Carlo averages link(a₂)
+over the sampled weight sets, so both estimate the same quantity.
 
 The loss is the negative ELBO: Σ_batch GaussianNLL(y; mean, var) + β·KL(q ‖ prior), with
 β = kl_scale / batches per epoch unless ``kl_weight`` sets it, and the prior N(0, prior_std²) per
@@ -23,7 +23,7 @@ differs). Prediction uses ``inference: moments`` or ``inference: mc`` (S sampled
 
 How the analytic pass is computed (:meth:`BayesianMLP.moment_pass`) changes its speed, not its
 numbers (they agree to rounding, gradients included): ``fused: true`` evaluates the same closed
-forms with fewer passes over memory (``forward_fused`` of :mod:`uqbench.methods.moments`),
+forms with fewer passes over memory (``forward_fused`` of :mod:`uqbench.methods.moments.layers`),
 ``fused: false`` runs the reference layers; ``compile: true`` also runs the fused pass through
 torch.compile when no gradient is taken (inference), which pays only once its compilation
 (seconds) is spread over many large batches.
@@ -44,17 +44,15 @@ from uqbench.backbones.base import Backbone
 from uqbench.configs import options_with
 from uqbench.contracts import Batch, DataInfo, RegressionOutput
 from uqbench.methods.base import Method
-from uqbench.methods.moments import (
-    LINKS,
+from uqbench.methods.moments.layers import (
     PRIORS,
     GaussianLinear,
     MomentLeakyReLU,
     MomentModule,
     MomentReLU,
     MomentSequential,
-    apply_link,
-    expected_link,
 )
+from uqbench.methods.moments.links import LINKS, apply_link, expected_link
 
 VARIANCES = ("embedded", "learned")
 INFERENCES = ("moments", "mc")
@@ -90,9 +88,9 @@ def check_options(variance: str = "embedded", inference: str = "moments",
         raise ValueError(f"method.kl_scale must be a finite number >= 0, got {kl_scale}")
     if kl_weight is not None and kl_weight < 0:
         raise ValueError(f"method.kl_weight must be >= 0 or null, got {kl_weight}")
-    for key, value in (("fused", fused), ("compile", compile)):
-        if not isinstance(value, bool):
-            raise ValueError(f"method.{key} must be true or false, got {value!r}")
+    for key, flag in (("fused", fused), ("compile", compile)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"method.{key} must be true or false, got {flag!r}")
     if compile and not fused:
         raise ValueError("method.compile: true compiles the fused moment pass; set "
                          "method.fused: true, or method.compile: false for the reference path")
@@ -164,7 +162,8 @@ class BayesianMLP(Method):
         self.kl_weight = (self.kl_scale / info.num_train_batches if kl_weight is None
                           else float(kl_weight))
         self.min_var = float(min_var)
-        self.fused, self.compile = fused, compile  # speed only: the same moments to rounding
+        # speed only: the same moments to rounding (not `compile`: nn.Module's own method)
+        self.fused, self.compile_inference = fused, compile
         self.out_dim = int(info.out_dim or 1)
         outputs = self.out_dim * (2 if variance == "learned" else 1)
         # The deterministic network only describes the layers: on the meta device it holds no
@@ -206,7 +205,7 @@ class BayesianMLP(Method):
         to rounding); no min_var, no link: the raw moment propagation."""
         if not self.fused:
             return self.net(x, torch.zeros_like(x))  # deterministic input: v = 0
-        if self.compile and not torch.is_grad_enabled():
+        if self.compile_inference and not torch.is_grad_enabled():
             return _compiled_fused_pass()(self.net, x)
         return self.net.forward_fused(x)
 

@@ -20,7 +20,7 @@ import os
 import re
 import signal
 import threading
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -117,8 +117,9 @@ def fabric(device: torch.device, trainer: Any) -> Any:
     check(device, trainer)
     accelerator = {"cuda": "cuda", "cpu": "cpu", "mps": "mps"}[device.type]
     devices: Any = [device.index] if device.index is not None else trainer.devices
-    precision = "32-true" if trainer.precision == "32" else trainer.precision
-    start = "popen" if external_processes() else "spawn"
+    # a config string: Fabric checks it (a value it cannot run raises below)
+    precision: Any = "32-true" if trainer.precision == "32" else trainer.precision
+    start: Literal["popen", "spawn"] = "popen" if external_processes() else "spawn"
     if trainer.world_size == 1 and trainer.strategy != "fsdp":
         strategy: Any = "auto"
     elif trainer.strategy == "fsdp":
@@ -157,7 +158,8 @@ class StopRequest:
     SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
 
     def __init__(self, forward: bool = False) -> None:
-        self.forward, self.signum = forward, None
+        self.forward = forward
+        self.signum: int | None = None
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopRequest:
@@ -174,7 +176,8 @@ class StopRequest:
             import multiprocessing
 
             for child in multiprocessing.active_children():
-                os.kill(child.pid, signum)
+                if child.pid is not None:  # None only before it starts
+                    os.kill(child.pid, signum)
 
     def __call__(self) -> bool:
         return self.signum is not None
@@ -219,7 +222,8 @@ def trainable_state(fabric: Any, model: Any, method: Any) -> dict[str, torch.Ten
     full = get_model_state_dict(model._forward_module, options=StateDictOptions(
         full_state_dict=True, cpu_offload=True))
     names = {_clean(n) for n in method.trainable_parameters()}
-    return {n: t for n, t in full.items() if _clean(n) in names}
+    return {n: t for n, t in full.items()
+            if _clean(n) in names and isinstance(t, torch.Tensor)}  # parameters: all tensors
 
 
 def load_trainable_state(fabric: Any, model: Any, method: Any,
@@ -227,9 +231,14 @@ def load_trainable_state(fabric: Any, model: Any, method: Any,
     if not sharded(fabric):
         method.load_trainable_state(state)
         return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        ValueType,
+        set_model_state_dict,
+    )
 
-    set_model_state_dict(model._forward_module, state, options=StateDictOptions(
+    full: dict[str, ValueType] = dict(state)
+    set_model_state_dict(model._forward_module, full, options=StateDictOptions(
         full_state_dict=True, broadcast_from_rank0=True, strict=False))
 
 

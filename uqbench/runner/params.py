@@ -37,8 +37,16 @@ from uqbench.records.results import group_settings
 from uqbench.runner.memory import Engine, estimate, optimizer_states
 
 log = logging.getLogger("uqbench")
-DEFAULTS = {"device": "meta", "num_classes": 2, "layouts": {}}
+DEFAULTS: dict[str, Any] = {"device": "meta", "num_classes": 2, "layouts": {}}
 ENGINE_KEYS = tuple(f.name for f in dataclasses.fields(Engine))
+
+
+def _mapping(node: Any, key: str) -> dict[str, Any]:
+    """The config mapping at ``key`` as plain Python, interpolations resolved."""
+    value = OmegaConf.to_container(node, resolve=True)
+    if not isinstance(value, dict):
+        raise ValueError(f"{key} must be a mapping of options, got {value!r}")
+    return {str(k): v for k, v in value.items()}
 
 
 def params_job(cfg: DictConfig) -> dict[str, Any]:
@@ -50,11 +58,11 @@ def params_job(cfg: DictConfig) -> dict[str, Any]:
     targeted_bytes, the memory of its wrapped layers (full rank or top-k, ``method.rank``).
     """
     given = cfg.get("overhead")
-    opts = DEFAULTS | (dict(OmegaConf.to_container(given, resolve=True)) if given else {})
+    opts = DEFAULTS | (_mapping(given, "overhead") if given else {})
     num_classes = int(opts["num_classes"])
     if num_classes < 2:
         raise ValueError(f"overhead.num_classes must be >= 2, got {num_classes}")
-    backbone_cfg = OmegaConf.to_container(cfg.backbone, resolve=True)
+    backbone_cfg = _mapping(cfg.backbone, "backbone")
     if "pretrained" in backbone_cfg:
         backbone_cfg["pretrained"] = False  # the architecture only: never read weights here
     backbone = build(backbone_cfg)

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import TensorDataset
 from torchvision import transforms as T
 
 from uqbench.backbones.digits_vit import (
@@ -83,6 +84,14 @@ def features(encoder: nn.Module, x: torch.Tensor, batch: int = 256) -> np.ndarra
     return torch.cat([encoder(x[i:i + batch]) for i in range(0, len(x), batch)]).numpy()
 
 
+def _split_tensors(data: DigitsData, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A split's images (N, 3, H, W) and labels (N,)."""
+    dataset = data.dataset(split)
+    assert isinstance(dataset, TensorDataset)  # DigitsData holds every split in memory
+    images, labels = dataset.tensors
+    return images, labels
+
+
 def linear_probe(encoder: nn.Module, split_seed: int = 0, max_images: int | None = None
                  ) -> dict[str, Any]:
     """Accuracy of a logistic regression on frozen features, downstream train → test."""
@@ -93,7 +102,7 @@ def linear_probe(encoder: nn.Module, split_seed: int = 0, max_images: int | None
     data = DigitsData(split_seed=split_seed, ood=False, corruptions=None,
                       max_per_split=max_images)
     data.setup(_encoder_spec())
-    (x_tr, y_tr), (x_te, y_te) = (data.dataset(s).tensors for s in ("train", "test"))
+    (x_tr, y_tr), (x_te, y_te) = (_split_tensors(data, s) for s in ("train", "test"))
     probe = make_pipeline(StandardScaler(), LogisticRegression(max_iter=5000))
     probe.fit(features(encoder, x_tr), y_tr.numpy())
     acc = float((probe.predict(features(encoder, x_te)) == y_te.numpy()).mean())

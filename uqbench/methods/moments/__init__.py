@@ -1,0 +1,13 @@
+"""Sampling-free moment propagation through a mean-field Gaussian network.
+
+Every layer maps the elementwise mean and variance of its input, both of shape (B, …), to those
+of its output, assuming independent inputs. Weights are w ~ N(μ, σ²) with σ = softplus(ρ).
+
+- :mod:`.activations`: the exact moments of a Gaussian through a Leaky-ReLU (the reference form,
+  with closed-form gradients);
+- :mod:`.fused`: the same moments and gradients in fewer passes over memory;
+- :mod:`.links`: E[link(a)] for a ~ N(m, v), the mean of the learned variance's output link
+  under the Gaussian that moment propagation assigns to a pre-activation;
+- :mod:`.layers`: the Gaussian linear layer, the activation layer and their chain, each with a
+  moment pass, a fused pass and a sampled pass (Monte Carlo inference).
+"""

@@ -1,0 +1,220 @@
+"""The layers of a moment-propagating network: (mean, var) → (mean, var).
+
+Each layer maps the elementwise mean and variance of its input, (B, …), to those of its output.
+Each also has ``forward_sampled(x)``: the same network with weights *sampled*, for Monte Carlo
+inference. ``x`` has a leading sample axis (S, B, …) and every sample s uses its own weight
+draw, so S forward passes run as one batched computation; and ``forward_fused``, the moment
+pass by :mod:`.fused`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from uqbench.methods.moments.activations import leaky_relu_moments
+from uqbench.methods.moments.fused import leaky_relu_moments_fused
+
+
+class MomentModule(nn.Module):
+    """A layer of a moment-propagating network: (mean, var) → (mean, var)."""
+
+    def forward(self, mean: torch.Tensor,
+                var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # pragma: no cover
+        raise NotImplementedError
+
+    def forward_sampled(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    def forward_fused(self, mean: torch.Tensor,
+                      var: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` by the fused path; var None means a deterministic input (v = 0). Layers
+        without a fused form run their ``forward``."""
+        return self(mean, torch.zeros_like(mean) if var is None else var)
+
+    def kl(self) -> torch.Tensor:
+        return torch.zeros(())
+
+
+PRIORS = ("fixed", "fan_in")
+
+
+class _GaussianParams(MomentModule):
+    """Mean-field Gaussian weight and bias: μ and ρ per entry, σ = softplus(ρ).
+
+    The prior is N(0, prior_std²) on every weight and bias (``prior: fixed``) or
+    N(0, prior_std²/fan_in) (``prior: fan_in``: the layer's std shrinks like its init range, so a
+    wide layer's summed output keeps the same prior scale).
+    """
+
+    def __init__(self, weight_shape: tuple[int, ...], bias_size: int, fan_in: int,
+                 prior_std: float, rho_init: float, prior: str = "fixed") -> None:
+        super().__init__()
+        if prior_std <= 0:
+            raise ValueError(f"prior_std must be > 0, got {prior_std}")
+        if prior not in PRIORS:
+            raise ValueError(f"prior '{prior}' is not one of {PRIORS}")
+        self.prior = prior
+        self.prior_std = float(prior_std) / (math.sqrt(fan_in) if prior == "fan_in" else 1.0)
+        bound = 1.0 / math.sqrt(fan_in)  # PyTorch's default nn.Linear init range
+        self.weight_mu = nn.Parameter(torch.empty(weight_shape).uniform_(-bound, bound))
+        self.weight_rho = nn.Parameter(torch.full(weight_shape, float(rho_init)))
+        self.bias_mu = nn.Parameter(torch.empty(bias_size).uniform_(-bound, bound))
+        self.bias_rho = nn.Parameter(torch.full((bias_size,), float(rho_init)))
+
+    @property
+    def weight_var(self) -> torch.Tensor:
+        return F.softplus(self.weight_rho) ** 2
+
+    @property
+    def bias_var(self) -> torch.Tensor:
+        return F.softplus(self.bias_rho) ** 2
+
+    def kl(self) -> torch.Tensor:
+        """KL(q ‖ N(0, prior_std²)) summed over every weight and bias (prior_std: this
+        layer's, after any fan-in scaling)."""
+        total = torch.zeros((), device=self.weight_mu.device)
+        p2 = self.prior_std ** 2
+        for mu, rho in ((self.weight_mu, self.weight_rho), (self.bias_mu, self.bias_rho)):
+            sigma = F.softplus(rho)
+            total = total + (math.log(self.prior_std) - torch.log(sigma)
+                             + (sigma ** 2 + mu ** 2) / (2 * p2) - 0.5).sum()
+        return total
+
+    def sample(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """n independent draws of (weight, bias): shapes (n, *weight_shape), (n, out)."""
+        w = self.weight_mu + F.softplus(self.weight_rho) * torch.randn(
+            (n, *self.weight_mu.shape), device=self.weight_mu.device)
+        b = self.bias_mu + F.softplus(self.bias_rho) * torch.randn(
+            (n, *self.bias_mu.shape), device=self.bias_mu.device)
+        return w, b
+
+
+class GaussianLinear(_GaussianParams):
+    """Bayesian linear layer. Input and output moments are (B, in) → (B, out).
+
+        mean = m μ_Wᵀ + μ_b
+        var  = v (μ_W² + σ_W²)ᵀ + m² (σ_W²)ᵀ + σ_b²
+    """
+
+    def __init__(self, in_features: int, out_features: int, prior_std: float = 1.0,
+                 rho_init: float = -2.0, prior: str = "fixed") -> None:
+        super().__init__((out_features, in_features), out_features, in_features,
+                         prior_std, rho_init, prior)
+        self.in_features, self.out_features = in_features, out_features
+
+    def forward(self, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w_var = self.weight_var
+        out_mean = F.linear(mean, self.weight_mu, self.bias_mu)
+        out_var = (F.linear(var, self.weight_mu ** 2 + w_var)
+                   + F.linear(mean ** 2, w_var) + self.bias_var)
+        return out_mean, out_var
+
+    def forward_fused(self, mean: torch.Tensor,
+                      var: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` with fewer passes: (B, in) → (B, out); var None: v = 0, so its product
+        is skipped. in = 1 is an outer product, written pointwise (a compiler fuses it into the
+        next activation); under torch.compile an output of ≤ 2 units is a sum over the inputs,
+        so it fuses into the previous activation instead of writing (B, in) moments out."""
+        w_var, b_var = self.weight_var, self.bias_var
+        if self.in_features == 1:
+            out_mean = torch.addcmul(self.bias_mu, mean, self.weight_mu.T)  # (B, 1)·(1, out)
+            out_var = torch.addcmul(b_var, mean * mean, w_var.T)
+            if var is not None:
+                out_var.addcmul_(var, (self.weight_mu ** 2 + w_var).T)
+        elif torch.compiler.is_compiling() and self.out_features <= 2:
+            m = mean.unsqueeze(1)                                           # (B, 1, in)
+            out_mean = (m * self.weight_mu).sum(-1) + self.bias_mu
+            out_var = (m * m * w_var).sum(-1) + b_var
+            if var is not None:
+                out_var = out_var + (var.unsqueeze(1) * (self.weight_mu ** 2 + w_var)).sum(-1)
+        else:
+            out_mean = F.linear(mean, self.weight_mu, self.bias_mu)
+            out_var = torch.addmm(b_var, mean * mean, w_var.T)
+            if var is not None:  # out of place: torch's FLOP counter skips an in-place addmm_
+                out_var = torch.addmm(out_var, var, (self.weight_mu ** 2 + w_var).T)
+        return out_mean, out_var
+
+    def forward_sampled(self, x: torch.Tensor) -> torch.Tensor:
+        """(S, B, in) → (S, B, out), weights drawn once per sample s."""
+        w, b = self.sample(x.shape[0])  # (S, out, in), (S, out)
+        return torch.baddbmm(b.unsqueeze(1), x, w.transpose(1, 2))
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, prior_std={self.prior_std}"
+
+
+class MomentLeakyReLU(MomentModule):
+    """Leaky-ReLU with slope a (ReLU: a = 0); moments by :func:`leaky_relu_moments`."""
+
+    def __init__(self, slope: float = 0.0) -> None:
+        super().__init__()
+        self.slope = float(slope)
+
+    def forward(self, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return leaky_relu_moments(mean, var, self.slope)
+
+    def forward_fused(self, mean: torch.Tensor,
+                      var: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        var = torch.zeros_like(mean) if var is None else var
+        return leaky_relu_moments_fused(mean, var, self.slope)
+
+    def forward_sampled(self, x: torch.Tensor) -> torch.Tensor:
+        return F.leaky_relu(x, self.slope)
+
+    def extra_repr(self) -> str:
+        return f"slope={self.slope}"
+
+
+class MomentReLU(MomentLeakyReLU):
+    def __init__(self) -> None:
+        super().__init__(0.0)
+
+
+class MomentSequential(MomentModule):
+    """Chain of moment modules; ``kl`` sums the layers' KL terms.
+
+    A MomentModule, not an nn.Sequential, since its forward takes and returns (mean, var); the
+    layers are its children "0", "1", … as in an nn.Sequential, so state dicts keep their keys.
+    """
+
+    def __init__(self, *layers: MomentModule) -> None:
+        super().__init__()
+        for i, layer in enumerate(layers):
+            self.add_module(str(i), layer)
+
+    def __iter__(self) -> Iterator[MomentModule]:
+        # every child is a MomentModule: __init__ registers nothing else
+        return iter(cast(dict[str, MomentModule], self._modules).values())
+
+    def __getitem__(self, index: int) -> MomentModule:
+        return list(self)[index]
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def forward(self, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        for layer in self:
+            mean, var = layer(mean, var)
+        return mean, var
+
+    def forward_fused(self, mean: torch.Tensor,
+                      var: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` by the fused path (equal to rounding, gradients included); var None: a
+        deterministic input, v = 0."""
+        for layer in self:
+            mean, var = layer.forward_fused(mean, var)
+        return mean, torch.zeros_like(mean) if var is None else var
+
+    def forward_sampled(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self:
+            x = layer.forward_sampled(x)
+        return x
+
+    def kl(self) -> torch.Tensor:
+        return sum((layer.kl() for layer in self), torch.zeros(()))
