@@ -183,7 +183,7 @@ def _hints(target: Any) -> dict[str, Any]:
     import inspect
     import typing
 
-    owners = ([c.__init__ for c in reversed(target.__mro__) if "__init__" in vars(c)]
+    owners = ([vars(c)["__init__"] for c in reversed(target.__mro__) if "__init__" in vars(c)]
               if inspect.isclass(target) else [target])
     hints: dict[str, Any] = {}
     for fn in owners:
@@ -272,7 +272,8 @@ def _accepted(target: Any) -> set[str] | None:
         if not owner.__module__.startswith("uqbench."):
             return None
         try:
-            params = list(inspect.signature(owner.__init__).parameters.values())[1:]  # no self
+            init = vars(owner)["__init__"]
+            params = list(inspect.signature(init).parameters.values())[1:]  # no self
         except (TypeError, ValueError):
             return None
         accepted |= {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
@@ -313,9 +314,9 @@ def check_types(node: DictConfig, key: str) -> None:
             raise _unknown_field(obj, key, str(field), accepted)
         value = node[field]
         if isinstance(value, DictConfig):
-            check_types(value, f"{key}.{field}")
+            check_types(value, f"{key}.{field!s}")
         elif field in hints:
-            check_value(f"{key}.{field}", value, hints[field])
+            check_value(f"{key}.{field!s}", value, hints[field])
     checker = getattr(obj, "check_settings", None)
     if callable(checker):
         checker(OmegaConf.to_container(node, resolve=True))

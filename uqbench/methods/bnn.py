@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from uqbench.backbones.base import Backbone
+from uqbench.backbones.mlp import MLP
 from uqbench.configs import options_with
 from uqbench.contracts import Batch, DataInfo, RegressionOutput
 from uqbench.methods.base import Method
@@ -134,7 +134,7 @@ class BayesianMLP(Method):
     task = "regression"
     speed_options: tuple[str, ...] = ("fused", "compile")  # not part of a run's identity
 
-    def __init__(self, backbone: Backbone, info: DataInfo, name: str = "bnn",
+    def __init__(self, backbone: MLP, info: DataInfo, name: str = "bnn",
                  variance: str = "embedded", inference: str = "moments", mc_samples: int = 200,
                  prior_std: float = 1.0, rho_init: float = -2.0, kl_weight: float | None = None,
                  min_var: float = 1e-8, variance_link: str = "softplus", prior: str = "fixed",
