@@ -22,6 +22,7 @@ from uqbench.contracts import Shard, to_device
 from uqbench.records.loggers import Logger
 from uqbench.runner import engine
 from uqbench.runner.checkpoints import rng_state, set_rng_state
+from uqbench.runner.memory import check_precision_and_strategy
 
 if TYPE_CHECKING:  # types only: the loop takes a built method, data and task from the runner
     from uqbench.data.base import DataModule
@@ -31,8 +32,6 @@ if TYPE_CHECKING:  # types only: the loop takes a built method, data and task fr
 SCHEDULES = ("constant", "cosine")
 SELECTIONS = ("last", "best")
 DECAY_TARGETS = ("zero", "init")
-PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true")
-STRATEGIES = ("auto", "ddp", "fsdp")
 KEEP_CHECKPOINT = ("trainable", "full", "none")
 PROGRESS = ("auto", "bar", "lines", "none")
 # A gradient group: (parameter, member index into its dim 0, or None for the whole tensor).
@@ -204,10 +203,7 @@ class Trainer:
         self.val_every, self.progress = int(val_every), progress
         self.decay_to = decay_to
         precision = str(precision)
-        if precision not in PRECISIONS:
-            raise ValueError(f"trainer.precision '{precision}' is not one of {PRECISIONS}")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"trainer.strategy '{strategy}' is not one of {STRATEGIES}")
+        check_precision_and_strategy(precision, strategy)  # the choices memory.Engine knows
         for key, value in (("devices", devices), ("num_nodes", num_nodes),
                            ("accumulate", accumulate)):
             if int(value) < 1:
