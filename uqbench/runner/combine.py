@@ -277,12 +277,13 @@ def combine(folders: list[Path], out: Path | None = None, overwrite: bool = Fals
     check_one_ensemble(members)
     places = {ensemble_place(m) for m in members}
     if out is None:
-        if None in places or len(places) != 1:
+        place = places.pop() if len(places) == 1 else None
+        if place is None:
             raise ValueError(
                 f"cannot tell the ensemble's run folder from {members[0].folder}: it has no "
                 f"method.member=k level (run_name?) or the members lie in different places; "
                 f"give one with --out <folder>")
-        out, run = places.pop()
+        out, run = place
     else:
         run = str(out)  # `run` names the folder the results are in
     if any(out.resolve() == m.folder.resolve() for m in members):
