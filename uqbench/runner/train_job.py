@@ -46,7 +46,7 @@ def train_job(cfg: DictConfig) -> dict[str, Any]:
     with RunFolder(Path(cfg.run_dir), writer=engine.rank() == 0) as folder:
         if cfg.get("job", "train") == "params":
             return _params(cfg, folder)
-        return _train_in(cfg, folder)
+        return _launch(cfg, folder)
 
 
 # --- the parameter job ----------------------------------------------------------------------
@@ -72,7 +72,9 @@ def _params(cfg: DictConfig, folder: RunFolder) -> dict[str, Any]:
 
 # --- the training job: checks, then one launch per process ----------------------------------
 
-def _train_in(cfg: DictConfig, folder: RunFolder) -> dict[str, Any]:
+def _launch(cfg: DictConfig, folder: RunFolder) -> dict[str, Any]:
+    """Check the trainer against this machine, reuse a finished run, find the checkpoint to
+    continue from, then launch :func:`_train` in every process of the job."""
     trainer = build(cfg.trainer)  # checks its own settings (uqbench.runner.training.Trainer)
     if trainer.batch_size is not None:  # the recipe's batch, recorded where it acts
         cfg.dataset.batch_size = trainer.batch_size
