@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 
 import pytest
+import yaml
 
 from tests.helpers import ROOT
 from uqbench.records import runfolder
@@ -117,3 +119,77 @@ def test_a_second_job_into_the_same_folder_is_refused_and_a_dead_ones_lock_is_no
     third = _cli(*SMALL, f"paths.runs_dir={tmp_path}", "run_name=busy")  # the lock died with it
     assert third.returncode == 0, third.stderr[-2000:]
     assert (tmp_path / "busy" / "results.json").is_file()
+
+
+# --- the RunFolder transaction, on its own ---------------------------------------------------
+
+def _folder_with(run_dir, results: str, config: dict) -> None:
+    """A finished run folder as a job leaves it: config, results, predictions and its log."""
+    (run_dir / "predictions").mkdir(parents=True)
+    (run_dir / "predictions" / "test.npz").write_bytes(b"old")
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    (run_dir / "results.json").write_text(results)
+    (run_dir / "uqbench.log").write_text("first job\n")
+
+
+def test_a_second_holder_of_a_run_folder_is_refused_until_the_first_lets_go(tmp_path):
+    run_dir = tmp_path / "r"
+    with runfolder.RunFolder(run_dir):
+        with pytest.raises(runfolder.RunLockedError, match=f"pid {os.getpid()}"):
+            runfolder.RunFolder(run_dir).__enter__()
+        # an eval folder is guarded by the lock of the run it scores
+        with pytest.raises(runfolder.RunLockedError):
+            runfolder.RunFolder(run_dir / "eval" / "d", lock_on=run_dir).__enter__()
+        # a process that trains beside the writer (rank > 0) takes no lock
+        with runfolder.RunFolder(run_dir, writer=False):
+            pass
+        # a copy sent to a spawned process does not hold the lock: its launcher still does
+        pickle.loads(pickle.dumps(runfolder.RunFolder(run_dir))).__exit__(None, None, None)
+        with pytest.raises(runfolder.RunLockedError):
+            runfolder.RunFolder(run_dir).__enter__()
+    with runfolder.RunFolder(run_dir):  # released on exit
+        pass
+
+
+def test_the_stage_is_removed_on_an_exception_and_nothing_is_published(tmp_path):
+    run_dir = tmp_path / "r"
+    with pytest.raises(KeyError):
+        with runfolder.RunFolder(run_dir) as folder, folder.staging() as stage:
+            (stage / "results.json").write_text("{}")
+            assert stage.parent == tmp_path  # beside the folder: the swap is a rename
+            raise KeyError("a failing job")
+    assert not stage.exists() and not run_dir.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".r.lock"]
+
+
+def test_publish_swaps_the_staged_folder_in_and_keeps_the_folders_log(tmp_path):
+    run_dir = tmp_path / "r"
+    _folder_with(run_dir, '{"old": 1}', {"seed": 0})
+    with runfolder.RunFolder(run_dir) as folder, folder.staging() as stage:
+        (stage / "results.json").write_text('{"new": 1}')
+        (stage / "config.yaml").write_text(yaml.safe_dump({"seed": 0}))
+        staged_inode = os.stat(stage).st_ino
+        folder.publish(stage)
+        assert not stage.exists()  # swapped in, not copied
+    assert os.stat(run_dir).st_ino == staged_inode
+    assert (run_dir / "results.json").read_text() == '{"new": 1}'
+    assert not (run_dir / "predictions").exists()  # the old attempt's files went with it
+    assert (run_dir / "uqbench.log").read_text() == "first job\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".r.lock", "r"]
+
+
+def test_entering_mends_leftovers_and_reuse_follows_the_configuration(tmp_path):
+    run_dir = tmp_path / "r"
+    _folder_with(run_dir, '{"metrics": {"test/nll": 0.5}}', {"seed": 0, "device": "cpu"})
+    leftover = runfolder.new_stage(run_dir)  # a killed job's staging
+    (leftover / "results.json").write_text("{}")
+    with runfolder.RunFolder(run_dir) as folder:
+        assert not leftover.exists()
+        same = {"seed": 0, "device": "cuda"}  # bookkeeping keys aside: the same run
+        assert folder.reuse(same, overwrite=False, skip_existing=True) == {
+            "metrics": {"test/nll": 0.5}}
+        assert folder.reuse(same, overwrite=True, skip_existing=False) is None
+        with pytest.raises(runfolder.RunExistsError, match="overwrite=true"):
+            folder.reuse(same, overwrite=False, skip_existing=False)
+        with pytest.raises(runfolder.ConfigMismatchError, match=r"seed: 0 \(stored\) → 1"):
+            folder.reuse({"seed": 1}, overwrite=True, skip_existing=True)

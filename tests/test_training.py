@@ -132,7 +132,7 @@ def _member_grads(m, k: int) -> list[torch.Tensor]:
     ("sve", ["method.sigma_init=0.1"]), ("lora_ensemble", []), ("deep_ensemble", []),
     ("deep_ensemble", ["method.vectorize=true"]), ("deep_ensemble_lp", [])])
 def test_each_members_gradient_is_clipped_as_if_it_were_alone(method, overrides):
-    from uqbench.runner.training import clip_groups, clip_per_member_
+    from uqbench.runner.gradients import clip_groups, clip_per_member_
 
     m = _ensemble(method, "method.members=3", *overrides)
     m.train()
@@ -157,7 +157,7 @@ def test_each_members_gradient_is_clipped_as_if_it_were_alone(method, overrides)
 
 def test_one_model_is_clipped_jointly_exactly_as_before():
     """Single, MC-Dropout, SVF (one group of whole tensors): torch's clip_grad_norm_ itself."""
-    from uqbench.runner.training import clip_groups, clip_per_member_
+    from uqbench.runner.gradients import clip_groups, clip_per_member_
 
     for method in ("single", "mc_dropout", "svf"):
         m = _ensemble(method)
@@ -213,7 +213,7 @@ def test_trainer_fit_clips_per_member():
 
 def test_undeclared_or_twice_declared_parameters_are_named():
     from uqbench.methods.base import MemberParameters
-    from uqbench.runner.training import clip_groups
+    from uqbench.runner.gradients import clip_groups
 
     method = _Stacked()
     method.extra = torch.nn.Parameter(torch.zeros(1))

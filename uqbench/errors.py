@@ -27,9 +27,11 @@ def message(err: BaseException) -> str:
     return str(err).strip() or type(err).__name__
 
 
-def report(err: BaseException) -> None:
-    """Log ``err`` and print it as uqbench's one error line (with the traceback hint)."""
-    log.error("%s: %s", type(err).__name__, message(err))
+def report(err: BaseException, logged: bool = True) -> None:
+    """Log ``err`` and print it as uqbench's one error line (with the traceback hint).
+    ``logged=False`` where the log itself goes to stderr: the line would show twice."""
+    if logged:
+        log.error("%s: %s", type(err).__name__, message(err))
     print(f"error: {message(err)}\n{HINT}", file=sys.stderr)
 
 
@@ -39,15 +41,17 @@ def traceback_wanted() -> bool:
 
 @contextmanager
 def user_errors(catch: tuple[type[BaseException], ...] = USER_ERRORS,
-                on_error: Callable[[], None] | None = None) -> Iterator[None]:
+                on_error: Callable[[], None] | None = None, logged: bool = True
+                ) -> Iterator[None]:
     """``with user_errors(): …`` — an exception of ``catch`` raised inside prints as one line
-    and exits with status 1 (``on_error`` runs first: tidy up what the command left)."""
+    and exits with status 1 (``on_error`` runs first: tidy up what the command left;
+    ``logged``: as :func:`report`)."""
     try:
         yield
     except catch as err:
         if traceback_wanted():
             raise
-        report(err)
+        report(err, logged)
         if on_error is not None:
             on_error()
         sys.exit(1)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from hydra.core.hydra_config import HydraConfig
@@ -38,8 +38,8 @@ def cli_overrides() -> list[str]:
 
 def group_settings(node: DictConfig) -> dict[str, Any]:
     """A config group's resolved fields, without Hydra's instantiation keys."""
-    return {k: v for k, v in OmegaConf.to_container(node, resolve=True).items()
-            if not k.startswith("_")}
+    fields = cast(dict[str, Any], OmegaConf.to_container(node, resolve=True))  # a mapping
+    return {k: v for k, v in fields.items() if not k.startswith("_")}
 
 
 def run_header(cfg: DictConfig) -> dict[str, Any]:
@@ -59,7 +59,7 @@ def write_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def write_stage(stage: Path, config: dict, results: dict,
+def write_stage(stage: Path, config: dict[str, Any], results: dict[str, Any],
                 predictions: dict[str, dict[str, np.ndarray]]) -> None:
     """Write a run's files into its staging folder (``uqbench.records.runfolder.publish`` swaps the
     whole folder in at once, so the order of the files does not matter)."""
@@ -67,5 +67,6 @@ def write_stage(stage: Path, config: dict, results: dict,
     for split, arrays in predictions.items():
         path = stage / "predictions" / f"{split}.npz"
         path.parent.mkdir(parents=True, exist_ok=True)
-        np.savez_compressed(path, **arrays)
+        # numpy's stub matches **arrays against allow_pickle: bool
+        np.savez_compressed(path, **arrays)  # type: ignore[arg-type]
     write_json(stage / "results.json", results)

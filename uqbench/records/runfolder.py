@@ -20,10 +20,13 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import logging
 import os
 import shutil
 import signal
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,8 @@ from uqbench.identity import differences
 
 PUBLISHED = ("config.yaml", "results.json", "predictions", "figure.png", "checkpoint.ckpt", "eval")
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+log = logging.getLogger("uqbench")
 
 
 class RunLockedError(FileExistsError):
@@ -46,6 +51,62 @@ class ConfigMismatchError(FileExistsError):
 class RunExistsError(FileExistsError):
     """The run folder holds this configuration's results and neither reuse nor replacing them
     was asked for."""
+
+
+# --- the transaction every job runs -------------------------------------------------------------
+
+class RunFolder:
+    """One job's transaction on a run folder: lock → recover → reuse → stage → publish.
+
+    ``with RunFolder(run_dir) as folder:`` takes the folder's lock (held until the block ends,
+    however it ends) and mends what a killed job left; ``folder.reuse(…)`` applies the rule for
+    a folder that already holds results; ``with folder.staging() as stage:`` gives a fresh
+    staging folder, removed on any exit, that ``folder.publish(stage)`` swaps in at once.
+
+    ``lock_on``: the run folder whose lock guards this one (a finished run's ``eval/<data>/``
+    folders are guarded by the run's lock). ``writer=False``: a process that trains beside the
+    writer (ranks > 0 of a job a cluster manager started once per device) takes no lock and
+    mends nothing. A copy sent to a spawned process never holds the lock: its launcher does.
+    """
+
+    def __init__(self, run_dir: Path, lock_on: Path | None = None, writer: bool = True) -> None:
+        self.run_dir = run_dir
+        self.writer = writer
+        self._lock = RunLock(lock_on or run_dir) if writer else None
+
+    def __enter__(self) -> RunFolder:
+        if self._lock is not None:
+            self._lock.__enter__()
+            for path in recover(self.run_dir):
+                log.info("removed %s, left by an interrupted job", path)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._lock is not None:
+            self._lock.__exit__()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_lock": None}  # the lock stays with the process that took it
+
+    def reuse(self, requested: dict[str, Any], overwrite: bool, skip_existing: bool,
+              flags: tuple[str, str, str] = ("overwrite=true", "skip_existing=true",
+                                             "run_name=<name>")) -> dict[str, Any] | None:
+        """The stored results to return instead of running, or None: run (:func:`reuse`)."""
+        return reuse(self.run_dir, requested, overwrite, skip_existing, flags)
+
+    @contextmanager
+    def staging(self) -> Iterator[Path]:
+        """An empty staging folder beside the run folder, removed on any exit of the block."""
+        stage = new_stage(self.run_dir)
+        try:
+            yield stage
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+
+    def publish(self, stage: Path) -> None:
+        """Swap the complete ``stage`` in as the run folder, in one step (:func:`publish`)."""
+        publish(stage, self.run_dir)
+        log.info("wrote %s", self.run_dir / "results.json")
 
 
 # --- one job per folder ---------------------------------------------------------------------------
@@ -199,7 +260,8 @@ def reuse(run_dir: Path, requested: dict[str, Any], overwrite: bool, skip_existi
             + f"\n{keep.split('=')[0]} and {replace.split('=')[0]} act only on the same "
               f"configuration: give this run its own folder ({elsewhere}) or delete that one")
     if skip_existing and not overwrite:
-        return json.loads(results_path.read_text())
+        kept: dict[str, Any] = json.loads(results_path.read_text())
+        return kept
     if not overwrite:
         raise RunExistsError(
             f"{results_path} already exists for this configuration. Pass {replace} to replace "

@@ -9,14 +9,12 @@ member runs afterwards::
 It checks that the member runs are one ensemble (stored configs identical except
 ``method.member``, members 0 … M−1 each present once, results and predictions of every split
 saved), stacks the member predictions in member order (member_probs (M, N, C)), scores them
-with the task of the stored config (``uqbench.runner.evaluation.score``: the temperature is refitted
-on the combined validation predictions) and writes a complete run folder, by default the one
-the one-process Deep Ensemble of the same config gets (the ``method.member=k`` level removed),
-so that tables read it as that row. The run-folder rules are the runner's
-(``uqbench.records.runfolder``): the folder's lock, recovery of a killed job's leftovers, a
-folder of
-another configuration refused, existing results kept unless ``--overwrite`` (or returned with
-``--skip-existing``), every file staged and published at once.
+with the task of the stored config (``uqbench.runner.evaluation.score``: the temperature is
+refitted on the combined validation predictions) and writes a complete run folder, by default
+the one the one-process Deep Ensemble of the same config gets (the ``method.member=k`` level
+removed), so that tables read it as that row, through the runner's ``RunFolder``
+(``uqbench.records.runfolder``): its lock, leftovers mended, another configuration refused,
+results kept unless ``--overwrite`` (returned with ``--skip-existing``), published at once.
 
 results.json is the runner's, with ``combined_from`` (the member runs, relative to the runs
 folder like ``run``), ``params`` of the whole ensemble, ``time.train_s`` summed over the
@@ -31,9 +29,6 @@ import contextlib
 import copy
 import glob
 import logging
-import os
-import shutil
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,22 +37,16 @@ from typing import Any
 import numpy as np
 
 from uqbench.configs import build
-from uqbench.errors import USER_ERRORS
+from uqbench.errors import user_errors
 from uqbench.identity import identity
 from uqbench.records.loggers import log_results, run_labels
 from uqbench.records.results import write_stage
-from uqbench.records.runfolder import (
-    RunLock,
-    finished,
-    new_stage,
-    publish,
-    recover,
-    reuse,
-)
+from uqbench.records.runfolder import RunFolder, RunLock, finished
 from uqbench.runner.evaluation import score
 
 log = logging.getLogger("uqbench")
 MEMBER_KEY = "method.member"
+FLAGS = ("--overwrite", "--skip-existing", "--out <folder>")  # as RunFolder.reuse names them
 
 
 @dataclass
@@ -272,18 +261,7 @@ def ensemble_results(members: list[Member], config: dict[str, Any], run: str,
     }
 
 
-def existing(folder: Path, config: dict[str, Any], overwrite: bool, skip_existing: bool
-             ) -> dict[str, Any] | None:
-    """The runner's rule for a folder that already holds results
-    (uqbench.records.runfolder.reuse)."""
-    kept = reuse(folder, config, overwrite, skip_existing,
-                 flags=("--overwrite", "--skip-existing", "--out <folder>"))
-    if kept is not None:
-        log.info("skip: %s holds this ensemble's results (--skip-existing)", folder)
-    return kept
-
-
-def _member_lock(folder: Path) -> contextlib.AbstractContextManager:
+def _member_lock(folder: Path) -> contextlib.AbstractContextManager[Any]:
     """The member folder's lock where a job made one; a folder copied without its lock file
     (from a cluster, say) is read without one, so that combining writes nothing beside it."""
     lock = RunLock(folder)
@@ -300,12 +278,13 @@ def combine(folders: list[Path], out: Path | None = None, overwrite: bool = Fals
     check_one_ensemble(members)
     places = {ensemble_place(m) for m in members}
     if out is None:
-        if None in places or len(places) != 1:
+        place = places.pop() if len(places) == 1 else None
+        if place is None:
             raise ValueError(
                 f"cannot tell the ensemble's run folder from {members[0].folder}: it has no "
                 f"method.member=k level (run_name?) or the members lie in different places; "
                 f"give one with --out <folder>")
-        out, run = places.pop()
+        out, run = place
     else:
         run = str(out)  # `run` names the folder the results are in
     if any(out.resolve() == m.folder.resolve() for m in members):
@@ -318,23 +297,20 @@ def combine(folders: list[Path], out: Path | None = None, overwrite: bool = Fals
             locks.enter_context(_member_lock(m.folder))
         eval_splits, ood_splits, splits = splits_of(members[0])
         predictions = stack(members, [load_predictions(m, splits) for m in members])
-        locks.enter_context(RunLock(out))  # the first thing written: every check has passed
-        for path in recover(out):
-            log.info("removed %s, left by an interrupted job", path)
-        if (kept := existing(out, config, overwrite, skip_existing)) is not None:
+        # the first thing written: every check has passed
+        folder = locks.enter_context(RunFolder(out))
+        kept = folder.reuse(config, overwrite, skip_existing, flags=FLAGS)  # the runner's rule
+        if kept is not None:
+            log.info("skip: %s holds this ensemble's results (--skip-existing)", out)
             return out, kept
         start = time.perf_counter()
         metrics, calibration = score(predictions, build(copy.deepcopy(config["task"])),
                                      eval_splits, ood_splits)
         results = ensemble_results(members, config, run, metrics, calibration,
                                    time.perf_counter() - start)
-        stage = new_stage(out)
-        try:
+        with folder.staging() as stage:
             write_stage(stage, config, results, predictions)
-            publish(stage, out)
-        finally:
-            shutil.rmtree(stage, ignore_errors=True)
-    log.info("wrote %s", out / "results.json")
+            folder.publish(stage)
     if logger is not None:  # the ensemble's record beside its members', as job type combine
         choices = {g: str(results[g]) for g in ("method", "backbone", "dataset")}
         logger.start(out, run_labels(config, choices, "combine", run), config)
@@ -360,15 +336,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="keep the folder's results if it holds this configuration's")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
+    with user_errors(logged=False):  # the log goes to stderr already: one error line
         folder, results = combine(expand(args.members), args.out, args.overwrite,
                                   args.skip_existing)
-    except USER_ERRORS as err:
-        if os.environ.get("UQBENCH_TRACEBACK"):
-            raise
-        print(f"error: {err}\n(set UQBENCH_TRACEBACK=1 for the full traceback)",
-              file=sys.stderr)
-        sys.exit(1)
     summary = {k: round(v, 4) for k, v in results["metrics"].items()
                if k.split("/")[0] in ("test", "ood") and k.count("/") == 1}
     print(f"{folder}: " + ", ".join(f"{k}={v}" for k, v in summary.items()))

@@ -39,9 +39,18 @@ from typing import Any
 import torch
 
 GB = 1e9  # the table's GB: 10⁹ bytes (an "80 GB" GPU holds 80 GiB = 85.9 GB)
+# The precisions and strategies a step can run in: the Trainer checks its settings here too.
 PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true")
 STRATEGIES = ("auto", "ddp", "fsdp")
 ADAM_LIKE = ("Adam", "AdamW")
+
+
+def check_precision_and_strategy(precision: str, strategy: str) -> None:
+    """``trainer.precision`` and ``trainer.strategy`` must be among the choices above."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"trainer.precision '{precision}' is not one of {PRECISIONS}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"trainer.strategy '{strategy}' is not one of {STRATEGIES}")
 
 
 @dataclass(frozen=True)
@@ -57,10 +66,7 @@ class Engine:
     activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"trainer.precision '{self.precision}' is not one of {PRECISIONS}")
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"trainer.strategy '{self.strategy}' is not one of {STRATEGIES}")
+        check_precision_and_strategy(self.precision, self.strategy)
         for key in ("devices", "num_nodes", "accumulate"):
             if int(getattr(self, key)) < 1:
                 raise ValueError(f"trainer.{key} must be a positive integer, got "

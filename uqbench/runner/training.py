@@ -2,7 +2,12 @@
 
 The loop is a :class:`Trainer`, built by Hydra from ``conf/trainer/<name>.yaml`` (the optimiser
 arrives as a ``_partial_`` factory): its settings are checked when it is built, so a bad value
-fails before any data is read or any model is built.
+fails before any data is read or any model is built. ``Trainer.fit`` runs one ``_Loop``: set
+up, resume, the epochs (each its steps, then its end), the outcome.
+
+Longer than ~350 lines because the Trainer's settings and the loop that reads them share one
+state and change together; the gradient arithmetic lives apart, in
+:mod:`uqbench.runner.gradients`.
 """
 
 from __future__ import annotations
@@ -11,9 +16,9 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from tqdm.auto import tqdm
@@ -22,6 +27,8 @@ from uqbench.contracts import Shard, to_device
 from uqbench.records.loggers import Logger
 from uqbench.runner import engine
 from uqbench.runner.checkpoints import rng_state, set_rng_state
+from uqbench.runner.gradients import clip_groups, clip_per_member_, decay_toward_
+from uqbench.runner.memory import check_precision_and_strategy
 
 if TYPE_CHECKING:  # types only: the loop takes a built method, data and task from the runner
     from uqbench.data.base import DataModule
@@ -31,12 +38,8 @@ if TYPE_CHECKING:  # types only: the loop takes a built method, data and task fr
 SCHEDULES = ("constant", "cosine")
 SELECTIONS = ("last", "best")
 DECAY_TARGETS = ("zero", "init")
-PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true")
-STRATEGIES = ("auto", "ddp", "fsdp")
 KEEP_CHECKPOINT = ("trainable", "full", "none")
 PROGRESS = ("auto", "bar", "lines", "none")
-# A gradient group: (parameter, member index into its dim 0, or None for the whole tensor).
-Group = list[tuple[torch.nn.Parameter, int | None]]
 
 
 console = logging.getLogger("uqbench")  # the CLI's log: the terminal (stdout) and the run's log
@@ -80,73 +83,6 @@ def epoch_line(epoch: int, epochs: int, metrics: dict[str, float], seconds: floa
     (the validation metrics where the epoch evaluated them)."""
     shown = [f"{k} {v:.4g}" for k, v in metrics.items() if k.startswith(("train/", "val/"))]
     return f"epoch {epoch}/{epochs} " + " ".join(shown) + f" elapsed {seconds:.1f}s"
-
-
-def clip_groups(method: Method, params: list[torch.nn.Parameter]) -> list[Group]:
-    """The groups whose gradient norms are clipped apart: one per member, then one of the
-    shared parameters (``method.member_parameters()``), each in the order of ``params``.
-
-    Raises if a trained parameter belongs to no group or to two, or if a stacked parameter's
-    dim 0 is not the number of members.
-    """
-    layout = method.member_parameters()
-    M = int(layout.members)
-    if layout.owned and len(layout.owned) != M:
-        raise RuntimeError(f"method '{method.name}' declares {len(layout.owned)} lists of "
-                           f"member-owned parameters for {M} members")
-    places: dict[int, list[tuple[int | None, int | None]]] = {}  # id → [(group, index)]
-    declared: dict[int, int] = {}  # id → how many declarations name it
-    for p in layout.stacked:
-        if p.dim() == 0 or p.shape[0] != M:
-            raise RuntimeError(f"method '{method.name}': a stacked member parameter has shape "
-                               f"{tuple(p.shape)}, not ({M}, …)")
-        places.setdefault(id(p), []).extend((m, m) for m in range(M))
-        declared[id(p)] = declared.get(id(p), 0) + 1
-    for group, plist in [*enumerate(layout.owned), (None, layout.shared)]:
-        for p in plist:
-            places.setdefault(id(p), []).append((group, None))
-            declared[id(p)] = declared.get(id(p), 0) + 1
-    names = {id(p): n for n, p in method.named_parameters()}
-    groups: list[Group] = [[] for _ in range(M + 1)]  # the members', then the shared group
-    for p in params:
-        if declared.get(id(p), 0) != 1:
-            how = "not declared" if id(p) not in declared else "declared more than once"
-            raise RuntimeError(f"method '{method.name}': trained parameter "
-                               f"'{names.get(id(p), '?')}' is {how} in member_parameters() "
-                               f"(stacked, owned by a member, or shared)")
-        for group, index in places[id(p)]:
-            groups[M if group is None else group].append((p, index))
-    return [g for g in groups if g]
-
-
-def clip_per_member_(groups: list[Group], max_norm: float) -> list[torch.Tensor]:
-    """Clip each group's gradient to 2-norm ``max_norm`` on its own, as
-    ``torch.nn.utils.clip_grad_norm_`` clips a whole model (factor min(1, max / (norm + 1e-6)));
-    returns the norms before clipping. One group of whole tensors IS that call."""
-    if len(groups) == 1 and all(index is None for _, index in groups[0]):
-        return [torch.nn.utils.clip_grad_norm_([p for p, _ in groups[0]], max_norm)]
-    norms = []
-    for group in groups:
-        grads = [p.grad if index is None else p.grad[index] for p, index in group
-                 if p.grad is not None]                       # views: scaling them scales p.grad
-        if not grads:
-            continue
-        norm = torch.nn.utils.get_total_norm(grads)
-        factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(factor.to(g.device))
-        norms.append(norm)
-    return norms
-
-
-@torch.no_grad()
-def decay_toward_(optimizer: torch.optim.Optimizer, anchors: list[torch.Tensor],
-                  decay: float) -> None:
-    """p ← p − lr·decay·(p − p₀) for every parameter, at its group's current learning rate;
-    ``anchors`` are the p₀ in the optimiser's parameter order."""
-    params = [(p, group["lr"]) for group in optimizer.param_groups for p in group["params"]]
-    for (p, lr), anchor in zip(params, anchors, strict=True):
-        p.sub_(p - anchor, alpha=lr * decay)
 
 
 class Trainer:
@@ -204,10 +140,7 @@ class Trainer:
         self.val_every, self.progress = int(val_every), progress
         self.decay_to = decay_to
         precision = str(precision)
-        if precision not in PRECISIONS:
-            raise ValueError(f"trainer.precision '{precision}' is not one of {PRECISIONS}")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"trainer.strategy '{strategy}' is not one of {STRATEGIES}")
+        check_precision_and_strategy(precision, strategy)  # the choices memory.Engine knows
         for key, value in (("devices", devices), ("num_nodes", num_nodes),
                            ("accumulate", accumulate)):
             if int(value) < 1:
@@ -257,135 +190,210 @@ class Trainer:
         if not params and self.epochs > 0:
             raise ValueError(f"method '{method.name}' has no trainable parameters")
         start = time.perf_counter()
-        epochs = self.epochs
-        if epochs == 0:
+        if self.epochs == 0:
             return {"epochs": 0, "train_s": 0.0, "selected_epoch": 0, "steps_run": 0}
-        logger = logger or Logger()
-        if fabric is None:
-            device = next(method.parameters()).device
-            fabric = engine.fabric(device, self)
+        if fabric is None:  # no runner: this process, on the device the method is on
+            fabric = engine.fabric(next(method.parameters()).device, self)
             model = fabric.setup_module(method)
             model.mark_forward_method("loss")
+        loop = _Loop(self, method, data, task, logger or Logger(), fabric, model, params, start)
+        if resume is not None:
+            loop.resume(resume)
+        loop.run(save, stop)
+        return loop.outcome(resume)
+
+
+class _Loop:
+    """One fit: the optimiser, schedule and step sizes it sets up, and its position (what a
+    checkpoint stores and a resumed job restores). Reads top to bottom as the fit runs:
+    set up, resume, run the epochs (each: its batches' steps, then its end), the outcome."""
+
+    def __init__(self, trainer: Trainer, method: Method, data: DataModule, task: Task,
+                 logger: Logger, fabric: Any, model: Any, params: list[torch.nn.Parameter],
+                 start: float) -> None:
+        self.trainer, self.method, self.data, self.task = trainer, method, data, task
+        self.logger, self.fabric, self.model, self.start = logger, fabric, model, start
+        self.optimizer, self.anchors, self.decay = self._optimizer(params)
+        self.groups = clip_groups(method, params) if trainer.grad_clip is not None else []
+        self.shard = Shard(rank=fabric.global_rank, world=fabric.world_size,
+                           parts=trainer.accumulate)
+        self.sizes = self._step_sizes()
+        self.scheduler = self._schedule()
+        # the position of a fresh fit: epoch 1, step 0 (resume() moves it)
+        self.best: dict[str, Any] = {"loss": math.inf, "epoch": trainer.epochs, "state": None}
+        self.first_epoch, self.skip, self.running, self.n, self.elapsed = 1, 0, 0.0, 0, 0.0
+        self.epoch_rng: dict[str, Any] | None = None    # the data order of the epoch running
+        self.resumed_rng: dict[str, Any] | None = None  # the streams where a checkpoint left
+        self.global_step, self.steps_run = 0, 0
+
+    # --- set up ---------------------------------------------------------------------------
+
+    def _optimizer(self, params: list[torch.nn.Parameter]
+                   ) -> tuple[Any, list[torch.Tensor], float]:
+        """The optimiser set up by Fabric, and the p₀ anchors and rate of decay toward them."""
+        factory = self.trainer.optimizer
         anchors: list[torch.Tensor] = []
-        if self.decay_to == "init":  # the optimiser runs without decay; we decay toward p₀
-            decay = float(getattr(self.optimizer, "keywords", {}).get("weight_decay") or 0.0)
-            optimizer = self.optimizer(params=params, weight_decay=0.0)
+        decay = 0.0
+        if self.trainer.decay_to == "init":  # the optimiser runs without decay; we decay to p₀
+            decay = float(getattr(factory, "keywords", {}).get("weight_decay") or 0.0)
+            optimizer = factory(params=params, weight_decay=0.0)
             anchors = [p.detach().clone() for p in params] if decay else []
         else:
-            optimizer = self.optimizer(params=params)
-        optimizer = fabric.setup_optimizers(optimizer)
-        groups = clip_groups(method, params) if self.grad_clip is not None else []
-        world = fabric.world_size
-        shard = Shard(rank=fabric.global_rank, world=world, parts=self.accumulate)
-        n_train = len(data.dataset("train"))
-        sizes = shard.steps(n_train, data.batch_size)
+            optimizer = factory(params=params)
+        return self.fabric.setup_optimizers(optimizer), anchors, decay
+
+    def _step_sizes(self) -> list[int]:
+        """The examples of each optimiser step of an epoch (all processes together)."""
+        n_train = len(cast(Sized, self.data.dataset("train")))
+        sizes = self.shard.steps(n_train, self.data.batch_size)
         if not sizes:
             raise ValueError(f"the training split has {n_train} examples, fewer than the "
-                             f"{world} processes × {self.accumulate} micro-batches of one step")
-        total = epochs * len(sizes)
+                             f"{self.fabric.world_size} processes × {self.trainer.accumulate} "
+                             f"micro-batches of one step")
+        return sizes
+
+    def _schedule(self) -> Any:
+        trainer = self.trainer
+        total = trainer.epochs * len(self.sizes)
         # warm-up in optimiser steps when given (LoRA-Ensemble's recipe), else in epochs
-        warmup = (self.warmup_steps if self.warmup_steps is not None
-                  else self.warmup_epochs * len(sizes))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: lr_factor(s, total, warmup, self.schedule))
-        best: dict[str, Any] = {"loss": math.inf, "epoch": epochs, "state": None}
-        first_epoch, skip, running, n, elapsed = 1, 0, 0.0, 0, 0.0
-        epoch_rng: dict[str, Any] | None = None
-        resumed_rng: dict[str, Any] | None = None
-        if resume is not None:
-            engine.load_trainable_state(fabric, model, method, resume["trainable"])
-            engine.load_optimizer_state(fabric, model, optimizer, resume["optimizer"])
-            scheduler.load_state_dict(resume["scheduler"])
-            fabric.strategy.precision.load_state_dict(resume.get("precision") or {})
-            best = resume["best"]
-            elapsed = float(resume["train_s"])
-            if resume["epoch_done"]:
-                first_epoch = resume["epoch"] + 1
-                set_rng_state(resume["rng"])
-            else:
-                first_epoch, skip = resume["epoch"], resume["step"]
-                running, n = resume["running"]
-                epoch_rng, resumed_rng = resume["epoch_rng"], resume["rng"]
-        global_step = (first_epoch - 1) * len(sizes) + skip
-        steps_run = 0
+        warmup = (trainer.warmup_steps if trainer.warmup_steps is not None
+                  else trainer.warmup_epochs * len(self.sizes))
+        return torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, total, warmup, trainer.schedule))
 
-        def state(epoch: int, step: int, epoch_done: bool) -> dict[str, Any]:
-            return {"epoch": epoch, "step": step, "epoch_done": epoch_done,
-                    "global_step": global_step,
-                    "trainable": engine.trainable_state(fabric, model, method),
-                    "optimizer": engine.optimizer_state(fabric, model, optimizer),
-                    "scheduler": scheduler.state_dict(),
-                    "precision": fabric.strategy.precision.state_dict(),
-                    "rng": rng_state(), "epoch_rng": None if epoch_done else epoch_rng,
-                    "running": (running, n), "best": best,
-                    "train_s": elapsed + time.perf_counter() - start}
+    def resume(self, resume: dict[str, Any]) -> None:
+        """Continue from a checkpoint: weights, optimiser, schedule, precision state, position;
+        a finished epoch's random streams now, an unfinished one's when it replays."""
+        fabric, model, method = self.fabric, self.model, self.method
+        engine.load_trainable_state(fabric, model, method, resume["trainable"])
+        engine.load_optimizer_state(fabric, model, self.optimizer, resume["optimizer"])
+        self.scheduler.load_state_dict(resume["scheduler"])
+        fabric.strategy.precision.load_state_dict(resume.get("precision") or {})
+        self.best = resume["best"]
+        self.elapsed = float(resume["train_s"])
+        if resume["epoch_done"]:
+            self.first_epoch = resume["epoch"] + 1
+            set_rng_state(resume["rng"])
+        else:
+            self.first_epoch, self.skip = resume["epoch"], resume["step"]
+            self.running, self.n = resume["running"]
+            self.epoch_rng, self.resumed_rng = resume["epoch_rng"], resume["rng"]
+        self.global_step = (self.first_epoch - 1) * len(self.sizes) + self.skip
 
-        shown = progress_mode(self.progress) if fabric.global_rank == 0 else "none"
-        bar = tqdm(range(first_epoch, epochs + 1), desc=f"train {method.name}",
+    def state(self, epoch: int, step: int, epoch_done: bool) -> dict[str, Any]:
+        """Everything needed to continue from here (``Trainer.fit(resume=state)``)."""
+        fabric, model = self.fabric, self.model
+        return {"epoch": epoch, "step": step, "epoch_done": epoch_done,
+                "global_step": self.global_step,
+                "trainable": engine.trainable_state(fabric, model, self.method),
+                "optimizer": engine.optimizer_state(fabric, model, self.optimizer),
+                "scheduler": self.scheduler.state_dict(),
+                "precision": fabric.strategy.precision.state_dict(),
+                "rng": rng_state(), "epoch_rng": None if epoch_done else self.epoch_rng,
+                "running": (self.running, self.n), "best": self.best,
+                "train_s": self.elapsed + time.perf_counter() - self.start}
+
+    # --- the epochs -----------------------------------------------------------------------
+
+    def run(self, save: Callable[[dict[str, Any]], None] | None,
+            stop: Callable[[], bool] | None) -> None:
+        """The remaining epochs; then the selected epoch's weights (select=best)."""
+        trainer, fabric = self.trainer, self.fabric
+        shown = progress_mode(trainer.progress) if fabric.global_rank == 0 else "none"
+        bar = tqdm(range(self.first_epoch, trainer.epochs + 1), desc=f"train {self.method.name}",
                    disable=shown != "bar", dynamic_ncols=True, leave=False)
         for epoch in bar:
-            model.train()
-            if epoch_rng is not None:      # a resumed epoch: its data order, then our place
-                set_rng_state(epoch_rng)
-                on_skip = (partial(set_rng_state, resumed_rng) if resumed_rng is not None
-                           else None)
-            else:
-                epoch_rng, on_skip, skip, running, n = rng_state(), None, 0, 0.0, 0
-            loader = iter(data.loader("train", train=True, shard=shard, skip=skip,
-                                      on_skip=on_skip))
-            for step in range(skip, len(sizes)):
-                loss_value = self._step(fabric, model, optimizer, loader, shard, sizes[step],
-                                        groups, anchors, decay if anchors else 0.0, epoch, step,
-                                        scheduler)
-                scheduler.step()
-                running += loss_value
-                n += 1
-                global_step += 1
-                steps_run += 1
-                if save is not None and self.checkpoint_every and \
-                        global_step % self.checkpoint_every == 0 and step + 1 < len(sizes):
-                    save(state(epoch, step + 1, False))
-                if stop is not None and step + 1 < len(sizes) and _agreed(fabric, stop()):
-                    if save is not None:
-                        save(state(epoch, step + 1, False))
-                    raise Preempted(epoch, step + 1, global_step, getattr(stop, "signum", None))
-            epoch_rng, resumed_rng = None, None
-            mean_loss = running / n
-            if world > 1:  # every process's share of each step's loss, summed
-                mean_loss = float(fabric.all_reduce(torch.tensor(mean_loss), reduce_op="sum"))
-            log = {"train/loss": mean_loss, "epoch": epoch, "lr": scheduler.get_last_lr()[0]}
-            if data.has_val and (epoch % self.val_every == 0 or epoch == epochs):
-                preds = task.predict(model, data.loader("val"), fabric.device)
-                val = task.metrics("val", preds)
-                log.update(val)
-                val_loss = task.val_loss(preds)
-                if self.select == "best" and val_loss < best["loss"]:
-                    best = {"loss": val_loss, "epoch": epoch,
-                            "state": engine.trainable_state(fabric, model, method)}
-            if fabric.global_rank == 0:
-                logger.log_metrics(log, step=epoch)
+            self._train_epoch(epoch, save, stop)
+            log = self._end_epoch(epoch)
             bar.set_postfix(loss=f"{log['train/loss']:.4g}")
             if shown == "lines":
-                console.info("%s", epoch_line(epoch, epochs, log,
-                                              elapsed + time.perf_counter() - start))
+                console.info("%s", epoch_line(epoch, trainer.epochs, log,
+                                              self.elapsed + time.perf_counter() - self.start))
             if save is not None:  # the last one too: a kill while scoring retrains nothing
-                save(state(epoch, len(sizes), True))
-            if stop is not None and epoch < epochs and _agreed(fabric, stop()):
-                raise Preempted(epoch + 1, 0, global_step, getattr(stop, "signum", None))
-        if best["state"] is not None:
-            engine.load_trainable_state(fabric, model, method, best["state"])
-        return {"epochs": epochs, "train_s": elapsed + time.perf_counter() - start,
-                "selected_epoch": best["epoch"], "steps_run": steps_run,
+                save(self.state(epoch, len(self.sizes), True))
+            if stop is not None and epoch < trainer.epochs and _agreed(fabric, stop()):
+                raise Preempted(epoch + 1, 0, self.global_step, getattr(stop, "signum", None))
+        if self.best["state"] is not None:
+            engine.load_trainable_state(fabric, self.model, self.method, self.best["state"])
+
+    def _train_epoch(self, epoch: int, save: Callable[[dict[str, Any]], None] | None,
+                     stop: Callable[[], bool] | None) -> None:
+        """The epoch's optimiser steps (from the checkpoint's step in a resumed epoch), with a
+        checkpoint every ``checkpoint_every`` steps and a stop when asked."""
+        every = self.trainer.checkpoint_every
+        self.model.train()
+        loader = self._epoch_loader()
+        for step in range(self.skip, len(self.sizes)):
+            loss_value = self._step(loader, self.sizes[step], epoch, step)
+            self.scheduler.step()
+            self.running += loss_value
+            self.n += 1
+            self.global_step += 1
+            self.steps_run += 1
+            more = step + 1 < len(self.sizes)
+            if save is not None and every and self.global_step % every == 0 and more:
+                save(self.state(epoch, step + 1, False))
+            if stop is not None and more and _agreed(self.fabric, stop()):
+                if save is not None:
+                    save(self.state(epoch, step + 1, False))
+                raise Preempted(epoch, step + 1, self.global_step, getattr(stop, "signum", None))
+        self.epoch_rng, self.resumed_rng = None, None
+
+    def _epoch_loader(self) -> Any:
+        """This epoch's batches. A resumed epoch replays its data order, skips the steps done,
+        then puts the random streams back where the checkpoint left them; a new epoch records
+        its data order (a checkpoint within it stores that)."""
+        on_skip = None
+        if self.epoch_rng is not None:
+            set_rng_state(self.epoch_rng)
+            if self.resumed_rng is not None:
+                on_skip = partial(set_rng_state, self.resumed_rng)
+        else:
+            self.epoch_rng, self.skip, self.running, self.n = rng_state(), 0, 0.0, 0
+        return iter(self.data.loader("train", train=True, shard=self.shard, skip=self.skip,
+                                     on_skip=on_skip))
+
+    def _end_epoch(self, epoch: int) -> dict[str, float]:
+        """The epoch's mean loss over every process, validation where due, logged by rank 0."""
+        fabric, trainer = self.fabric, self.trainer
+        mean_loss = self.running / self.n
+        if fabric.world_size > 1:  # every process's share of each step's loss, summed
+            mean_loss = float(fabric.all_reduce(torch.tensor(mean_loss), reduce_op="sum"))
+        log = {"train/loss": mean_loss, "epoch": epoch, "lr": self.scheduler.get_last_lr()[0]}
+        if self.data.has_val and (epoch % trainer.val_every == 0 or epoch == trainer.epochs):
+            log.update(self._validate(epoch))
+        if fabric.global_rank == 0:
+            self.logger.log_metrics(log, step=epoch)
+        return log
+
+    def _validate(self, epoch: int) -> dict[str, float]:
+        """The validation metrics; with select=best, keep the weights of the lowest val loss."""
+        # Task.predict reads any loader (TensorBatches too), whatever its annotation says
+        preds = self.task.predict(self.model, self.data.loader("val"),  # type: ignore[arg-type]
+                                  self.fabric.device)
+        val = self.task.metrics("val", preds)
+        val_loss = self.task.val_loss(preds)
+        if self.trainer.select == "best" and val_loss < self.best["loss"]:
+            self.best = {"loss": val_loss, "epoch": epoch,
+                         "state": engine.trainable_state(self.fabric, self.model, self.method)}
+        return val
+
+    def outcome(self, resume: dict[str, Any] | None) -> dict[str, Any]:
+        """The fit's timing, model-selection and resumption facts."""
+        return {"epochs": self.trainer.epochs,
+                "train_s": self.elapsed + time.perf_counter() - self.start,
+                "selected_epoch": self.best["epoch"], "steps_run": self.steps_run,
                 "resumed_at": None if resume is None else
                 {"epoch": resume["epoch"] + int(resume["epoch_done"]),
                  "step": 0 if resume["epoch_done"] else resume["step"],
                  "global_step": resume["global_step"]}}
 
-    def _step(self, fabric: Any, model: Any, optimizer: Any, loader: Any, shard: Shard,
-              size: int, groups: list[Group], anchors: list[torch.Tensor], decay: float,
-              epoch: int, step: int, scheduler: Any) -> float:
+    # --- one optimiser step ---------------------------------------------------------------
+
+    def _step(self, loader: Any, size: int, epoch: int, step: int) -> float:
         """One optimiser step over this process's micro-batches of a ``size``-example batch;
         returns this process's share of the step's loss."""
+        fabric, model, optimizer, shard = self.fabric, self.model, self.optimizer, self.shard
         slices = shard.slices(size)
         sums = bool(getattr(model, "loss_sums_examples", False))
         optimizer.zero_grad(set_to_none=True)
@@ -402,18 +410,19 @@ class Trainer:
                 if not torch.isfinite(loss):
                     raise NonFiniteLossError(
                         f"the training loss became {loss.item()} at epoch {epoch}, step {step} "
-                        f"(lr {scheduler.get_last_lr()[0]:.3g}); lower trainer.optimizer.lr, "
-                        f"set trainer.grad_clip, or check the data. No results were written.")
+                        f"(lr {self.scheduler.get_last_lr()[0]:.3g}); lower "
+                        f"trainer.optimizer.lr, set trainer.grad_clip, or check the data. No "
+                        f"results were written.")
                 # the processes' gradients are averaged: × world; a mean loss: × its share
                 scale = shard.world * (1 if sums else share)
                 fabric.backward(loss if scale == 1 else loss * scale)
             value += loss.item() if sums or share == 1 else share * loss.item()
-        if self.grad_clip is not None:
+        if self.trainer.grad_clip is not None:
             fabric.strategy.precision.unscale_gradients(optimizer)
-            clip_per_member_(groups, self.grad_clip)
+            clip_per_member_(self.groups, self.trainer.grad_clip)
         optimizer.step()
-        if anchors:
-            decay_toward_(optimizer, anchors, decay)
+        if self.anchors:
+            decay_toward_(optimizer, self.anchors, self.decay)
         return value
 
 

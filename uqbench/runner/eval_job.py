@@ -1,0 +1,155 @@
+"""Scoring a finished run (``job=eval``): its checkpoint on a dataset's splits, no training.
+
+The run is ``eval_run`` (or the folder this command names). Everything but the data comes from
+the run's stored config; the dataset (and its task) come from the command when it names one
+(``dataset=cifar100_c``), else from the run. The results land in ``<run>/eval/<dataset>/``
+(results.json, predictions/), published all at once under the scored run's lock; the run's own
+files are never touched. A Deep Ensemble combined from member jobs is scored from its members'
+checkpoints, their predictions joined in member order.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from uqbench.configs import build
+from uqbench.records.loggers import log_results, run_labels
+from uqbench.records.results import group_settings, write_stage
+from uqbench.records.runfolder import RunExistsError, RunFolder, finished
+from uqbench.runner import checkpoints
+from uqbench.runner.engine import resolve_device
+from uqbench.runner.evaluation import predict_splits, score
+from uqbench.runner.parts import build_parts, environment, method_diagnostics, seed_everything
+
+log = logging.getLogger("uqbench")
+
+
+def eval_job(cfg: DictConfig) -> dict[str, Any]:
+    """``job=eval``: score a finished run on a dataset; return the results (also on disk)."""
+    run_dir = Path(str(cfg.eval_run)).expanduser() if cfg.get("eval_run") else Path(cfg.run_dir)
+    stored, sources = _sources(run_dir)
+    chosen, changed = _dataset_overrides(cfg)
+    configs = {s: _eval_config(cfg, c, chosen, changed) for s, c in sources.items()}
+    run_cfg = _eval_config(cfg, stored, chosen, changed)
+    device, fallback = resolve_device(str(cfg.device))
+    out = run_dir / "eval" / ",".join([str(run_cfg.dataset.name), *(
+        f"{k}={OmegaConf.select(cfg, k)}" for k in changed)])
+    with RunFolder(out, lock_on=run_dir) as folder:
+        if (kept := _kept(cfg, out)) is not None:
+            return kept
+        start = time.perf_counter()
+        predictions, data, task, diagnostics = _predict(configs, device)
+        metrics, calibration = score(predictions, task, data.eval_splits, data.ood_splits)
+        metrics.update(diagnostics)
+        results = {"job": "eval", "of_run": str(run_dir), "experiment": run_cfg.experiment_name,
+                   "run": run_cfg.run_subdir, "dataset": str(run_cfg.dataset.name),
+                   "method": str(run_cfg.method.name), "backbone": str(run_cfg.backbone.name),
+                   "seed": int(run_cfg.seed), "scored_from": [str(s) for s in sources],
+                   "settings": {"dataset": group_settings(run_cfg.dataset) | data.settings(),
+                                "task": group_settings(run_cfg.task)},
+                   "metrics": metrics, "calibration": calibration,
+                   "time": {"eval_s": time.perf_counter() - start},
+                   "environment": environment(),
+                   "device": str(device), "device_note": fallback}
+        run_config = cast(dict[str, Any], OmegaConf.to_container(run_cfg, resolve=True))
+        with folder.staging() as stage:
+            write_stage(stage, run_config, results, predictions if cfg.save_predictions else {})
+            folder.publish(stage)
+    _track(cfg, run_cfg, run_config, results, out)
+    return results
+
+
+def _sources(run_dir: Path) -> tuple[dict[str, Any], dict[Path, dict[str, Any]]]:
+    """The scored run's stored config, and the folders whose checkpoints make up its model
+    (the run's own, or its members') with their stored configs."""
+    stored, scored = finished(run_dir, ": job=eval needs a finished run (eval_run=<run folder> "
+                                       "names the run to score)")
+    members = [Path(str(stored["paths"]["runs_dir"])) / m
+               for m in scored.get("combined_from") or []]
+    sources = {m: finished(m)[0] for m in members} if members else {run_dir: stored}
+    for source in sources:
+        if not (source / checkpoints.FINAL).is_file():
+            raise checkpoints.CheckpointError(
+                f"{source} has no {checkpoints.FINAL}: it was trained without keeping one "
+                f"(trainer.keep_checkpoint=none, or before runs kept checkpoints). Train it "
+                f"again (overwrite=true) to score it on other data")
+    return stored, sources
+
+
+def _kept(cfg: DictConfig, out: Path) -> dict[str, Any] | None:
+    """The stored results where skip_existing keeps them; None where this job scores."""
+    if (out / "results.json").is_file() and not cfg.overwrite:
+        if cfg.skip_existing:
+            kept: dict[str, Any] = json.loads((out / "results.json").read_text())
+            return kept
+        raise RunExistsError(f"{out}/results.json already exists: overwrite=true replaces "
+                             f"it, skip_existing=true keeps it")
+    return None
+
+
+def _predict(configs: dict[Path, DictConfig], device: torch.device
+             ) -> tuple[dict[str, Any], Any, Any, dict[str, float]]:
+    """Predictions of every split (members' joined in member order), the data and task that
+    score them, and the method's own diagnostics (a model from one checkpoint only)."""
+    parts = []
+    for source, source_cfg in configs.items():
+        state = checkpoints.load(source / checkpoints.FINAL)
+        seed_everything(int(source_cfg.seed))
+        if source_cfg.get("torch_threads"):
+            torch.set_num_threads(int(source_cfg.torch_threads))
+        method, data, task, _ = build_parts(source_cfg, device)
+        method.load_trainable_state({k: v.to(device) for k, v in state["trainable"].items()})
+        parts.append(predict_splits(method, data, task, device))
+    # a model scored from one checkpoint can check itself; members combined cannot
+    diagnostics = method_diagnostics(method, data, device) if len(parts) == 1 else {}
+    predictions = parts[0] if len(parts) == 1 else {
+        split: {k: (np.concatenate([p[split][k] for p in parts]) if k == "member_probs"
+                    else v) for k, v in parts[0][split].items()} for split in parts[0]}
+    return predictions, data, task, diagnostics
+
+
+def _track(cfg: DictConfig, run_cfg: DictConfig, run_config: dict[str, Any],
+           results: dict[str, Any], out: Path) -> None:
+    """Hand the results to the tracker, in the folder of the scored run's experiment."""
+    tracked = cfg.copy()
+    tracked.experiment_name = run_cfg.experiment_name
+    logger = build(tracked.logger)
+    choices = {g: str(results[g]) for g in ("method", "backbone", "dataset")}
+    labels = run_labels(run_config, choices, "eval", f"{run_cfg.run_subdir}/eval/{out.name}",
+                        setting=str(run_cfg.run_subdir))
+    logger.start(out, labels, run_config)
+    log_results(logger, results, out, [])
+
+
+def _eval_config(cfg: DictConfig, stored: dict, chosen: bool, changed: list[str]) -> DictConfig:
+    """A stored run config with the command's dataset (or dataset keys), device and output
+    choices put in."""
+    run_cfg = OmegaConf.create(stored)
+    if chosen:  # another dataset: its config and task from the command
+        run_cfg.dataset, run_cfg.task = cfg.dataset, cfg.task
+    for key in changed:  # dataset.<key>=<value>: on top of the run's dataset
+        OmegaConf.update(run_cfg, key, OmegaConf.select(cfg, key), force_add=True)
+    for key in ("device", "save_predictions"):
+        run_cfg[key] = cfg.get(key)
+    if cfg.get("torch_threads") is not None:  # else the run's own: the same float reductions
+        run_cfg.torch_threads = cfg.torch_threads
+    return run_cfg
+
+
+def _dataset_overrides(cfg: DictConfig) -> tuple[bool, list[str]]:
+    """Whether the command chose a dataset (``dataset=…``), and the ``dataset.<key>`` values
+    it set. A config composed without Hydra's command line counts as choosing its dataset."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return True, []
+    keys = [o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task]
+    return "dataset" in keys, sorted(k for k in keys if k.startswith("dataset."))

@@ -1,0 +1,126 @@
+"""What every job of the runner checks and builds: the whole config's types and choices, the
+seeds, the environment a run records, and the method, data, task and backbone of a config,
+checked against each other before anything expensive is read or built.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+from uqbench.configs import build, check_types, check_value, options_where
+from uqbench.contracts import to_device
+from uqbench.methods.base import Method
+from uqbench.runner import objective
+from uqbench.runner.engine import resolve_device
+
+JOBS = ("train", "params", "eval")
+DIAGNOSTIC_INPUTS = 256  # test inputs handed to Method.diagnostics
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Types and choices of the whole config, before anything is read, built or written: every
+    buildable group against its constructor's annotations, and the top-level keys."""
+    for group in ("backbone", "method", "dataset", "task", "trainer", "logger"):
+        if isinstance(cfg.get(group), DictConfig):
+            check_types(cfg[group], group)
+    check_value("seed", cfg.seed, int)
+    check_value("torch_threads", cfg.get("torch_threads"), int | None)
+    if cfg.get("torch_threads") is not None and cfg.torch_threads < 1:
+        raise ValueError(f"torch_threads must be >= 1 or null, got {cfg.torch_threads}")
+    resolve_device(str(cfg.device))
+    if cfg.get("job", "train") not in JOBS:
+        raise ValueError(f"job '{cfg.job}' is not one of: {', '.join(JOBS)}")
+    if cfg.get("job", "train") == "train":
+        objective.check(cfg)  # the metric a sweeper reads, before any data or model
+    if isinstance(cfg.get("logger"), DictConfig):
+        build(cfg.logger)  # a tracker's settings are checked as it is built (cheap, offline)
+
+
+def environment() -> dict[str, Any]:
+    """What decides whether a run is bit-reproducible: thread count and library versions."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    env: dict[str, Any] = {"torch_threads": torch.get_num_threads(),
+                           "python": platform.python_version(), "machine": platform.machine()}
+    for package in ("uqbench", "torch", "numpy", "timm", "transformers", "scikit-learn"):
+        try:
+            env[package] = version(package)
+        except PackageNotFoundError:
+            env[package] = None
+    env["cuda"] = torch.version.cuda if torch.cuda.is_available() else None
+    return env
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def check_tasks_agree(cfg: DictConfig, method_factory: Any, data: Any, task: Any) -> None:
+    """The dataset, the task scoring it and the method must all mean the same problem."""
+    if task.name != data.task:
+        raise ValueError(
+            f"dataset '{cfg.dataset.name}' is a {data.task} dataset but task={task.name} was "
+            f"chosen; drop the task override (each dataset selects its own task)")
+    method_task = getattr(getattr(method_factory, "func", method_factory), "task", None)
+    if method_task is not None and method_task != data.task:
+        raise ValueError(
+            f"method '{cfg.method.name}' solves {method_task} but dataset '{cfg.dataset.name}' "
+            f"is a {data.task} task; pick a {data.task} method (one of: "
+            f"{', '.join(options_where('method', 'task', data.task))}) or another dataset")
+
+
+
+def build_parts(cfg: DictConfig, device: torch.device, activation_checkpointing: bool = False
+                ) -> tuple[Any, Any, Any, Any]:
+    """Method, data, task and backbone of ``cfg`` on ``device``: cheap things first, checked
+    against each other before anything expensive is read or built."""
+    method_factory = build(cfg.method)
+    data = build(cfg.dataset)
+    task = build(cfg.task)
+    check_tasks_agree(cfg, method_factory, data, task)
+    data.check()  # missing or partial data fails here, before any model is built
+    backbone = build(cfg.backbone)
+    data.setup(backbone)
+    backbone.device = device  # methods decompose and copy pretrained weights where they run
+    if activation_checkpointing and not backbone.supports_activation_checkpointing:
+        backbone.enable_activation_checkpointing(None)  # refuses, naming the backbones that can
+    method = method_factory(backbone=backbone, info=data.info).to(device)
+    if activation_checkpointing:
+        backbone.enable_activation_checkpointing(method)
+    return method, data, task, backbone
+
+
+def first_inputs(loader: Any, n: int) -> Any:
+    """The inputs of a loader's first batches, up to ``n`` rows: a tensor (n, …), or, for
+    inputs that are not one tensor (a dict of token tensors), the first batch's as they are."""
+    parts, rows = [], 0
+    for inputs, _ in loader:
+        if not isinstance(inputs, torch.Tensor):
+            return inputs
+        parts.append(inputs)
+        rows += len(inputs)
+        if rows >= n:
+            break
+    return torch.cat(parts)[:n]
+
+
+def method_diagnostics(method: Method, data: Any, device: torch.device,
+                       split: str = "test") -> dict[str, float]:
+    """The method's own diagnostics (:meth:`Method.diagnostics`) on the first
+    DIAGNOSTIC_INPUTS inputs of ``split``, as ``<split>/<name>``; {} without reading any data
+    for a method that has none, or for data without that split."""
+    if type(method).diagnostics is Method.diagnostics or split not in data.eval_splits:
+        return {}
+    # a loader's iterator draws its base seed from the CPU generator: keep the run's stream
+    with torch.random.fork_rng(devices=[]):
+        inputs = first_inputs(data.loader(split), DIAGNOSTIC_INPUTS)
+    found = method.diagnostics(to_device(inputs, device))
+    return {f"{split}/{name}": value for name, value in found.items()}

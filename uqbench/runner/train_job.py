@@ -1,0 +1,341 @@
+"""The training job (``job=train``) and the parameter job (``job=params``).
+
+Both write one run folder through :class:`uqbench.records.runfolder.RunFolder`: the job holds
+its lock throughout, mends what a killed job left, reuses a finished run only if it has the
+same configuration, and publishes all files at once. A training job continues an unfinished
+run from its checkpoint. Under a cluster manager that starts one process per device, only
+rank 0 locks and writes; the others train beside it::
+
+    <run_dir>/config.yaml            resolved config
+    <run_dir>/results.json           choices, settings, params, metrics, time (written last)
+    <run_dir>/predictions/<split>.npz per-example predictions
+    <run_dir>/figure.png             where the dataset can be drawn
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from uqbench.configs import build
+from uqbench.identity import differences
+from uqbench.records.loggers import Logger, NullLogger, RunLabels, log_results, run_labels
+from uqbench.records.results import group_choices, group_settings, run_header, write_stage
+from uqbench.records.runfolder import ConfigMismatchError, RunExistsError, RunFolder
+from uqbench.runner import checkpoints, engine, objective
+from uqbench.runner.engine import resolve_device
+from uqbench.runner.evaluation import evaluate, forward_cost
+from uqbench.runner.parts import build_parts, environment, method_diagnostics, seed_everything
+from uqbench.runner.training import Preempted
+
+log = logging.getLogger("uqbench")
+
+
+def train_job(cfg: DictConfig) -> dict[str, Any]:
+    """Train and evaluate one configuration (or count its parameters: ``job=params``) in its
+    run folder; return the results dict (also written to disk)."""
+    with RunFolder(Path(cfg.run_dir), writer=engine.rank() == 0) as folder:
+        if cfg.get("job", "train") == "params":
+            return _params(cfg, folder)
+        return _launch(cfg, folder)
+
+
+# --- the parameter job ----------------------------------------------------------------------
+
+def _params(cfg: DictConfig, folder: RunFolder) -> dict[str, Any]:
+    """Count parameters only: no data, no training (uqbench/runner/params.py)."""
+    from uqbench.runner.params import params_job
+
+    if (existing := reuse(cfg, folder)) is not None:
+        return existing
+    config = _resolved(cfg)
+    seed_everything(int(cfg.seed))
+    results = {**run_header(cfg), "job": "params", **params_job(cfg),
+               "table": config.get("table")}
+    logger = build(cfg.logger)
+    logger.start(folder.run_dir, _labels(cfg, config, "params"), config)
+    try:
+        publish_run(cfg, folder, config, results, {}, logger=logger)
+    finally:
+        logger.finish(failed=True)  # a no-op after log_results closed it
+    return results
+
+
+# --- the training job: checks, then one launch per process ----------------------------------
+
+def _launch(cfg: DictConfig, folder: RunFolder) -> dict[str, Any]:
+    """Check the trainer against this machine, reuse a finished run, find the checkpoint to
+    continue from, then launch :func:`_train` in every process of the job."""
+    trainer = build(cfg.trainer)  # checks its own settings (uqbench.runner.training.Trainer)
+    if trainer.batch_size is not None:  # the recipe's batch, recorded where it acts
+        cfg.dataset.batch_size = trainer.batch_size
+    if not trainer.updates_weights:
+        log.warning("trainer.epochs=%s, lr=%s: the untrained model is evaluated "
+                    "(results.json: train.updated_weights=false)", trainer.epochs,
+                    cfg.trainer.optimizer.get("lr"))
+    check_batch(cfg, trainer)
+    device, fallback = resolve_device(str(cfg.device))
+    engine.check(device, trainer)  # a layout this machine cannot run fails here
+    if (existing := reuse(cfg, folder)) is not None:
+        return existing
+    config = _resolved(cfg)
+    resume = resume_point(cfg, folder.run_dir, config)
+    fabric = engine.fabric(device, trainer)  # after the reuse: a skipped run never loads it
+    if fallback:
+        log.warning("%s", fallback)
+    # Everything a process needs, resolved here: spawned processes have no Hydra context.
+    job_cfg = OmegaConf.create(config)
+    spawns = fabric.world_size > 1 and not engine.external_processes()
+    with engine.StopRequest(forward=True) if spawns else contextlib.nullcontext():
+        outcome = fabric.launch(_train, job_cfg, folder, trainer, run_header(cfg), resume,
+                                fallback)
+    if isinstance(outcome, Preempted):
+        raise outcome
+    return outcome
+
+
+def reuse(cfg: DictConfig, folder: RunFolder) -> dict[str, Any] | None:
+    """A finished run's results where skip_existing may return them; None where this job
+    runs. Refuses a folder holding another configuration, whatever the flags."""
+    kept = folder.reuse(_resolved(cfg), cfg.overwrite, cfg.skip_existing)
+    if kept is not None:
+        log.info("skip: %s holds this configuration's results (skip_existing=true)",
+                 folder.run_dir)
+    return kept
+
+
+def check_batch(cfg: DictConfig, trainer: Any) -> None:
+    """The step's batch must split evenly enough over the processes and micro-batches."""
+    parts = trainer.world_size * trainer.accumulate
+    if parts > 1 and int(cfg.dataset.batch_size) < parts:
+        raise ValueError(
+            f"the batch of {cfg.dataset.batch_size} examples per optimiser step cannot be cut "
+            f"into {trainer.world_size} processes × {trainer.accumulate} micro-batches "
+            f"(trainer.devices × num_nodes × accumulate); raise trainer.batch_size or lower "
+            f"trainer.accumulate")
+
+
+def resume_point(cfg: DictConfig, run_dir: Path, config: dict) -> Path | None:
+    """The checkpoint this run continues from, or None; refuses one of another configuration
+    (showing the difference) or an unreadable one (naming it, keeping it)."""
+    path = run_dir / checkpoints.RESUME
+    if not path.exists():
+        return None
+    state = checkpoints.load(path)
+    diff = differences(state.get("config") or {}, config)
+    if diff:
+        raise ConfigMismatchError(
+            f"{run_dir} holds an unfinished run of another configuration (its checkpoint "
+            f"{path}):\n  " + "\n  ".join(diff) + "\ngive this run its own folder "
+            "(run_name=<name>), continue that one with its own command, or delete the "
+            "checkpoint to start over")
+    if not cfg.get("resume", True):
+        if not cfg.overwrite:
+            raise RunExistsError(
+                f"{path} holds this run's progress (epoch {state['epoch']}, step "
+                f"{state['step']}) and resume=false was asked: pass overwrite=true to start "
+                f"over (the checkpoint is replaced), or drop resume=false to continue")
+        return None
+    log.info("resuming from %s (epoch %s, step %s)", path, state["epoch"], state["step"])
+    return path
+
+
+# --- one process's share: build, train, score, assemble results, publish --------------------
+
+@dataclass
+class Built:
+    """What a process built: the method, its Fabric-wrapped model, data, task and backbone."""
+
+    method: Any
+    model: Any
+    data: Any
+    task: Any
+    backbone: Any
+    params: dict[str, Any]
+
+
+@dataclass
+class Scored:
+    """The test-time outcome of a trained model, before the rank-0-only diagnostics."""
+
+    metrics: dict[str, Any]
+    predictions: dict[str, Any]
+    calibration: Any
+    eval_s: float
+    cost: dict[str, Any]
+
+
+def _train(fabric: Any, cfg: DictConfig, folder: RunFolder, trainer: Any, header: dict,
+           resume: Path | None, fallback: str | None) -> dict[str, Any] | Preempted | None:
+    """One process's share of a training job (all of it on one device). Every process builds,
+    trains and scores; rank 0 writes the run folder and returns the results."""
+    _start_process(cfg, fabric.device)
+    rank0 = fabric.global_rank == 0
+    built = _build(fabric, cfg, trainer)
+    config = _resolved(cfg)
+    logger = build(cfg.logger) if rank0 else NullLogger()
+    logger.start(folder.run_dir, _labels(cfg, config, "train"), config,
+                 resume=resume is not None)
+    resume_state = checkpoints.load(resume) if resume is not None else None
+    try:
+        train = _fit(fabric, trainer, built, logger, resume_state, _saver(folder, config, rank0))
+        del resume_state  # the checkpoint's tensors, before scoring needs the memory
+        if isinstance(train, Preempted):
+            return train if rank0 else None
+        scored = _score(built, fabric.device)
+        keep = trainer.keep_checkpoint != "none" and trainer.updates_weights
+        trained = engine.trainable_state(fabric, built.model, built.method) if keep else None
+        if not rank0:
+            return None
+        results = _results(cfg, config, header, trainer, fabric, fallback, built, train, scored)
+        final = _final_checkpoint(folder.run_dir, config, cfg, trainer, trained) if keep else None
+        draw = _drawer(cfg, built, scored, fabric.device) if cfg.plot else None
+        publish_run(cfg, folder, config, results, scored.predictions, draw, logger, final)
+        shutil.rmtree(folder.run_dir / Path(checkpoints.RESUME).parent, ignore_errors=True)
+    finally:
+        logger.finish(failed=True)  # a no-op after a published run closed it: this one failed
+    return results
+
+
+def _start_process(cfg: DictConfig, device: torch.device) -> None:
+    """Seeds, threads and the peak-memory counter of this process, before anything is built."""
+    seed_everything(int(cfg.seed))
+    if cfg.get("torch_threads"):
+        torch.set_num_threads(int(cfg.torch_threads))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _build(fabric: Any, cfg: DictConfig, trainer: Any) -> Built:
+    method, data, task, backbone = build_parts(cfg, fabric.device,
+                                               trainer.activation_checkpointing)
+    objective.check_split(cfg.get("objective"), data, str(cfg.dataset.name))
+    params = method.param_counts()  # whole tensors: before FSDP shards them
+    model = fabric.setup_module(method)
+    model.mark_forward_method("loss")
+    return Built(method, model, data, task, backbone, params)
+
+
+def _saver(folder: RunFolder, config: dict, rank0: bool) -> Callable[[dict[str, Any]], None]:
+    def save(state: dict[str, Any]) -> None:  # every process gathers (FSDP), rank 0 writes
+        if rank0:
+            checkpoints.save(folder.run_dir / checkpoints.RESUME, {**state, "config": config})
+    return save
+
+
+def _fit(fabric: Any, trainer: Any, built: Built, logger: Logger, resume: dict | None,
+         save: Callable[[dict[str, Any]], None]) -> dict[str, Any] | Preempted:
+    """The trainer's facts, or the Preempted that stopped it (its checkpoint written)."""
+    with engine.StopRequest() as stop:
+        try:
+            return trainer.fit(built.method, built.data, built.task, logger, fabric=fabric,
+                               model=built.model, resume=resume, save=save, stop=stop)
+        except Preempted as preempted:
+            log.warning("%s", preempted)
+            logger.finish(failed=True)  # cut short; the resumed job continues its record
+            return preempted
+
+
+def _score(built: Built, device: torch.device) -> Scored:
+    start = time.perf_counter()
+    metrics, predictions, calibration = evaluate(built.model, built.data, built.task, device)
+    eval_s = time.perf_counter() - start
+    cost = forward_cost(built.model, built.data, device)
+    return Scored(metrics, predictions, calibration, eval_s, cost)
+
+
+def _results(cfg: DictConfig, config: dict, header: dict, trainer: Any, fabric: Any,
+             fallback: str | None, built: Built, train: dict[str, Any], scored: Scored
+             ) -> dict[str, Any]:
+    """results.json of a training job (rank 0 runs the method's own diagnostics first)."""
+    method, data, metrics = built.method, built.data, scored.metrics
+    start = time.perf_counter()
+    metrics.update(method_diagnostics(method, data, fabric.device))
+    diagnostics_s = time.perf_counter() - start
+    return {
+        **header,
+        "settings": {
+            "dataset": group_settings(cfg.dataset) | data.settings(),
+            "method": group_settings(cfg.method) | method.settings(),
+            "backbone": group_settings(cfg.backbone) | built.backbone.details(),
+            "task": group_settings(cfg.task),
+            "trainer": {k: v for k, v in group_settings(cfg.trainer).items()
+                        if k != "progress"},
+        },
+        "params": built.params,
+        "metrics": metrics,
+        "calibration": scored.calibration,
+        "time": {"train_s": train["train_s"], "eval_s": scored.eval_s,
+                 "diagnostics_s": diagnostics_s},
+        "cost": scored.cost,
+        "environment": environment(),
+        "train": {"epochs": train["epochs"], "selected_epoch": train["selected_epoch"],
+                  "updated_weights": trainer.updates_weights,
+                  "device": str(fabric.device), "device_note": fallback,
+                  "precision": trainer.precision, "strategy": type(fabric.strategy).__name__,
+                  "world_size": fabric.world_size, "accumulate": trainer.accumulate,
+                  "steps_run": train["steps_run"], "resumed_at": train.get("resumed_at")},
+        "table": config.get("table"),
+    }
+
+
+def _final_checkpoint(run_dir: Path, config: dict, cfg: DictConfig, trainer: Any,
+                      trained: Any) -> dict[str, Any]:
+    """checkpoint.ckpt: the trained weights (and, with keep_checkpoint=full, the resume state)."""
+    final = {"trainable": trained, "config": config, "method": cfg.method.name}
+    if trainer.keep_checkpoint == "full" and (run_dir / checkpoints.RESUME).exists():
+        final["resume"] = checkpoints.load(run_dir / checkpoints.RESUME)
+    return final
+
+
+def _drawer(cfg: DictConfig, built: Built, scored: Scored, device: torch.device
+            ) -> Callable[[Path], list[Path]]:
+    title = f"{cfg.run_subdir}  test NLL {scored.metrics.get('test/nll', float('nan')):.3f}"
+    task, method, data = built.task, built.method, built.data
+
+    def draw(folder: Path) -> list[Path]:
+        """figure.png where the dataset can be drawn, the task's diagnostics in figures/."""
+        drawn = [task.plot(folder / "figure.png", method, data, device, title=title)
+                 ] if hasattr(task, "plot") else []
+        drawn += task.figures(scored.predictions, folder / "figures", data.ood_splits)
+        return [p for p in drawn if p is not None]
+    return draw
+
+
+# --- publishing -----------------------------------------------------------------------------
+
+def publish_run(cfg: DictConfig, folder: RunFolder, config: dict, results: dict,
+                predictions: dict[str, dict[str, np.ndarray]],
+                draw: Callable[[Path], list[Path]] | None = None,
+                logger: Logger | None = None, checkpoint: dict | None = None) -> None:
+    """Stage every file of the run (``draw`` puts the figures into the staging folder), swap
+    the folder in, then hand the summary, figures and predictions to the logger: the results
+    are on disk before any tracker is waited for."""
+    with folder.staging() as stage:
+        write_stage(stage, config, results, predictions if cfg.save_predictions else {})
+        if checkpoint is not None:
+            checkpoints.save(stage / checkpoints.FINAL, checkpoint)
+        images = [p.relative_to(stage) for p in draw(stage)] if draw is not None else []
+        folder.publish(stage)
+    if logger is not None:
+        log_results(logger, results, folder.run_dir, images)
+
+
+def _resolved(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved config as a plain dict (what config.yaml stores)."""
+    return cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
+
+
+def _labels(cfg: DictConfig, config: dict, job: str) -> RunLabels:
+    """The tracker's labels of this job, which has its own run folder."""
+    return run_labels(config, group_choices(cfg), job, str(cfg.run_subdir))
