@@ -80,6 +80,7 @@ def test_each_method_runs_end_to_end_and_its_metrics_recompute(image_runs, metho
     assert res["cost"]["forward_flops_per_example"] > 0
 
 
+@pytest.mark.slow
 def test_text_methods_run_end_to_end_on_tiny_bert_and_llama(tmp_path):
     run_cli("-m", "backbone=tiny_bert,tiny_llama", "dataset=fake_text",
             "method=sve,lora_ensemble", f"paths.runs_dir={tmp_path}", *FAST)
@@ -93,6 +94,7 @@ def test_text_methods_run_end_to_end_on_tiny_bert_and_llama(tmp_path):
                 recompute(test["member_probs"], test["labels"])["nll"], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_overhead_job_writes_params_and_the_table_shows_the_paper(tmp_path):
     run_cli("-m", "experiment=p1_overhead", "backbone=bert_base", "method=sve,deep_ensemble",
             f"paths.runs_dir={tmp_path}")
@@ -117,6 +119,7 @@ def test_overhead_job_writes_params_and_the_table_shows_the_paper(tmp_path):
     assert rows["sve"]["train GB 1 GPU"] == f"{memory['bytes']['total'] / 1e9:.1f}"
 
 
+@pytest.mark.slow
 def test_paper_table_shows_ours_beside_the_papers(tmp_path):
     """experiment=p1_flowers102 end to end on a Flowers102 fixture with a tiny backbone: the
     table has our numbers and P1's reference numbers side by side."""
@@ -144,6 +147,7 @@ def test_paper_table_shows_ours_beside_the_papers(tmp_path):
     assert float(ours) == pytest.approx(100 * res["metrics"]["test/acc"], abs=0.051)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides,expected", [
     (["backbone=tiny_vit", "dataset.image_size=20"],
      ["dataset.image_size=20", "16×16", "backbone.model_kwargs.img_size=20"]),
@@ -161,6 +165,7 @@ def test_data_the_backbone_cannot_take_is_refused_before_training(tmp_path, over
     assert not list(tmp_path.rglob("results.json"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("content", ["garbage", "other model"])
 def test_a_broken_checkpoint_is_named_not_a_traceback(tmp_path, content):
     """Garbage bytes or another model's weights in the checkpoint file: one line naming it."""

@@ -67,6 +67,7 @@ def test_run_writes_results_and_predictions_that_recompute(tmp_path):
         assert np.all(np.abs(x) > 1.5)
 
 
+@pytest.mark.slow
 def test_existing_results_are_kept_unless_asked(tmp_path):
     args = [*TINY, f"paths.runs_dir={tmp_path}", "run_name=mine"]
     run_cli(*args)
@@ -94,6 +95,7 @@ def test_existing_results_are_kept_unless_asked(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".staging")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("override,expected", [
     ("method=nope", ["method", "bnn"]),          # Hydra lists the group's options
     ("backbone.width=0", ["backbone.width", "0"]),
@@ -127,6 +129,7 @@ def test_bad_input_fails_clearly_and_writes_nothing(tmp_path, override, expected
     assert not list(tmp_path.rglob("results.json"))
 
 
+@pytest.mark.slow
 def test_an_untrained_model_is_evaluated_but_marked(tmp_path):
     run_cli(*TINY, f"paths.runs_dir={tmp_path}", "trainer.epochs=0", "run_name=untrained")
     res = _results(tmp_path / "untrained")
@@ -145,6 +148,7 @@ def test_nan_loss_leaves_no_results(tmp_path):
     assert not list(tmp_path.rglob("results.json"))
 
 
+@pytest.mark.slow
 def test_multirun_then_tables(tmp_path, capsys):
     run_cli("experiment=p2_width_sweep", *TINY, f"paths.runs_dir={tmp_path}",
             "backbone.width=4,8", "seed=0,1")

@@ -106,6 +106,7 @@ def uninterrupted(cfg, tmp_path):
     return go
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides,kill_at", [(BNN, 8), (TEXT, 2)], ids=["tensors", "loader"])
 def test_a_sigkilled_run_resumes_from_its_checkpoint_with_the_same_metrics(
         tmp_path, uninterrupted, overrides, kill_at):
@@ -146,6 +147,7 @@ def terminated_after_first_checkpoint(overrides: list[str], runs: Path) -> tuple
     return first, err
 
 
+@pytest.mark.slow
 def test_sigterm_writes_a_checkpoint_and_the_same_command_finishes_the_run(tmp_path,
                                                                            uninterrupted):
     overrides = [o for o in BNN if not o.startswith("trainer.epochs")] + [
@@ -162,6 +164,7 @@ def test_sigterm_writes_a_checkpoint_and_the_same_command_finishes_the_run(tmp_p
     assert resumed["metrics"] == uninterrupted(overrides)["metrics"]
 
 
+@pytest.mark.slow
 def test_sigterm_reaches_spawned_ddp_processes_and_the_run_resumes_exactly(tmp_path):
     """The parent passes SIGTERM on to its two processes, which stop at the same step; rank 0's
     checkpoint comes back, and the same command finishes as an uninterrupted DDP run."""
@@ -211,6 +214,7 @@ def test_a_truncated_checkpoint_is_refused_named_and_kept(tmp_path):
 
 # --- processes, accumulation, precision ----------------------------------------------------------
 
+@pytest.mark.slow
 def test_ddp_over_two_cpu_processes_and_accumulation_match_one_process(tmp_path,
                                                                        uninterrupted):
     """The same global batch of 16: one process; one process in 2 micro-batches; 2 processes
@@ -255,6 +259,7 @@ def test_bf16_mixed_runs_on_the_cpu_under_autocast(cfg, tmp_path):
 
 # --- job=eval -------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_job_eval_reproduces_the_test_metrics_and_never_touches_the_run(tmp_path,
                                                                         uninterrupted):
     runs = tmp_path / "runs"
@@ -275,6 +280,7 @@ def test_job_eval_reproduces_the_test_metrics_and_never_touches_the_run(tmp_path
     assert {p: p.read_bytes() for p in files} == files  # the training files are untouched
 
 
+@pytest.mark.slow
 def test_job_eval_without_a_checkpoint_says_why(tmp_path):
     runs = tmp_path / "runs"
     run_cli(*VIT, "trainer.epochs=1", "trainer.keep_checkpoint=none", f"paths.runs_dir={runs}")
@@ -338,6 +344,7 @@ def test_auto_falling_back_to_the_cpu_says_so(tmp_path):
     assert "found no GPU" in note and note in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_a_resumed_run_continues_its_wandb_run(tmp_path):
     """Killed and resumed, then trained again from the start: every attempt logs to the one
     W&B run id derived from the run folder, so a sync updates one run."""

@@ -102,6 +102,7 @@ TINY_SWEEP = ("-m", "dataset=polynomial", "method=bnn", "trainer.epochs=2", "see
               "trainer.progress=false", "plot=false")
 
 
+@pytest.mark.slow
 def test_local_preset_runs_each_job_on_one_thread(tmp_path, monkeypatch):
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # a shell's setting would be kept
         monkeypatch.delenv(var, raising=False)
@@ -111,6 +112,7 @@ def test_local_preset_runs_each_job_on_one_thread(tmp_path, monkeypatch):
     assert [r["environment"]["torch_threads"] for r in results.values()] == [1, 1]
 
 
+@pytest.mark.slow
 def test_submitit_jobs_land_in_their_run_folders(tmp_path):
     """submitit runs each job in a fresh process from its pickle; the sweep's subdir
     (../../<run folder>) must still put the runs beside, not inside, the sweep record."""

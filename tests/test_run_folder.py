@@ -38,6 +38,7 @@ def finished(tmp_path_factory):
     return runs / "base"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point,survivor", [("staged", "old"), ("swapped", "new"),
                                             ("carried", "new")])
 def test_a_kill_while_publishing_leaves_one_complete_folder(tmp_path, finished, point,
@@ -97,6 +98,7 @@ def test_an_interrupted_fallback_swap_is_restored(tmp_path, finished, monkeypatc
     assert any(p.name.startswith(".staging-k-") for p in removed)
 
 
+@pytest.mark.slow
 def test_a_second_job_into_the_same_folder_is_refused_and_a_dead_ones_lock_is_not(tmp_path):
     args = [sys.executable, "-m", "uqbench.runner.cli", *SMALL, "trainer.epochs=100000",
             f"paths.runs_dir={tmp_path}", "run_name=busy"]

@@ -22,6 +22,7 @@ def test_identity_keeps_result_changing_overrides_only(compose_cfg):
                                                    "trainer.optimizer.lr=0.01"]
 
 
+@pytest.mark.slow
 def test_a_learning_rate_sweep_gives_one_folder_per_value(tmp_path):
     run_cli("-m", "trainer.optimizer.lr=0.01,0.001", "trainer.epochs=1", "trainer.progress=false",
             "dataset.n_train=100", "dataset.n_val=20", "dataset.n_test=20", "dataset.n_ood=20",

@@ -172,6 +172,7 @@ def test_each_table_compiles_with_pdflatex(tables, tmp_path, exp):
     compile_tex([tables / f"{exp}.tex"], tmp_path)
 
 
+@pytest.mark.slow
 def test_every_experiment_config_table_compiles_with_pdflatex(tmp_path):
     """The titles and headers of conf/experiment/*.yaml, on made-up runs (two settings, the
     first row key numeric, the others text), compile (in one document: one pdflatex run)."""

@@ -41,6 +41,7 @@ def test_the_search_space_is_the_lr_and_the_methods_own_knob(compose_cfg, method
     assert (cfg.hydra.sweeper.direction, cfg.hydra.sweeper.sampler.seed) == ("minimize", 7)
 
 
+@pytest.mark.slow
 def test_two_trials_write_their_runs_and_the_best_is_the_lowest_val_nll(tmp_path):
     run_cli(*TINY, f"paths.runs_dir={tmp_path}")
     runs = sorted(tmp_path.glob("default/polynomial/**/results.json"))

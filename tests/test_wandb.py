@@ -113,6 +113,7 @@ def test_summary_flattens_every_number_a_table_reads():
                                    "train/selected_epoch": 7}
 
 
+@pytest.mark.slow
 def test_classification_run_logs_diagrams_and_predictions(tmp_path):
     run_cli(*CLASSIFICATION, f"paths.runs_dir={tmp_path}")
     run_dir = tmp_path / "cls" / "seed0"
