@@ -34,14 +34,15 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
 GB = 1e9  # the table's GB: 10⁹ bytes (an "80 GB" GPU holds 80 GiB = 85.9 GB)
 # The precisions and strategies a step can run in: the Trainer checks its settings here too.
 PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true")
-STRATEGIES = ("auto", "ddp", "fsdp")
+Strategy = Literal["auto", "ddp", "fsdp"]
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
 ADAM_LIKE = ("Adam", "AdamW")
 
 

@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Sized
 from functools import partial
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
 import torch
 from tqdm.auto import tqdm
@@ -28,17 +28,23 @@ from uqbench.records.loggers import Logger
 from uqbench.runner import engine
 from uqbench.runner.checkpoints import rng_state, set_rng_state
 from uqbench.runner.gradients import clip_groups, clip_per_member_, decay_toward_
-from uqbench.runner.memory import check_precision_and_strategy
+from uqbench.runner.memory import Strategy, check_precision_and_strategy
 
 if TYPE_CHECKING:  # types only: the loop takes a built method, data and task from the runner
     from uqbench.data.base import DataModule
     from uqbench.methods.base import Method
     from uqbench.tasks.base import Task
 
-SCHEDULES = ("constant", "cosine")
-SELECTIONS = ("last", "best")
-DECAY_TARGETS = ("zero", "init")
-KEEP_CHECKPOINT = ("trainable", "full", "none")
+# The choices of the trainer's settings, declared once: the config check (check_types) reads
+# the annotations, the constructor checks a Trainer built in code against the same tuples.
+Schedule = Literal["constant", "cosine"]
+Selection = Literal["last", "best"]
+DecayTarget = Literal["zero", "init"]
+KeepCheckpoint = Literal["trainable", "full", "none"]
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
+SELECTIONS: tuple[str, ...] = get_args(Selection)
+DECAY_TARGETS: tuple[str, ...] = get_args(DecayTarget)
+KEEP_CHECKPOINT: tuple[str, ...] = get_args(KeepCheckpoint)
 PROGRESS = ("auto", "bar", "lines", "none")
 
 
@@ -106,12 +112,13 @@ class Trainer:
     def __init__(self, optimizer: Callable[..., torch.optim.Optimizer], epochs: int = 300,
                  batch_size: int | None = None, grad_clip: float | None = None,
                  warmup_epochs: int = 0, warmup_steps: int | None = None,
-                 schedule: str = "constant",
-                 select: str = "last", val_every: int = 10, progress: bool | str = "auto",
-                 decay_to: str | None = None, precision: str | int = "32",
-                 strategy: str = "auto", devices: int = 1, num_nodes: int = 1,
+                 schedule: Schedule = "constant",
+                 select: Selection = "last", val_every: int = 10, progress: bool | str = "auto",
+                 decay_to: DecayTarget | None = None, precision: str | int = "32",
+                 strategy: Strategy = "auto", devices: int = 1, num_nodes: int = 1,
                  accumulate: int = 1, activation_checkpointing: bool = False,
-                 checkpoint_every: int | None = 500, keep_checkpoint: str = "trainable") -> None:
+                 checkpoint_every: int | None = 500,
+                 keep_checkpoint: KeepCheckpoint = "trainable") -> None:
         if int(epochs) < 0:
             raise ValueError(f"trainer.epochs must be >= 0, got {epochs}")
         if schedule not in SCHEDULES:
