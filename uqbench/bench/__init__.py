@@ -33,7 +33,7 @@ def _csv(text: str) -> list[str]:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m uqbench.bench", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="uqbench-bench", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")

@@ -59,7 +59,7 @@ def _chosen(runs_dir: Path, experiment: str, keys: list[str], metric: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m uqbench.report.selection", description=__doc__)
+    parser = argparse.ArgumentParser(prog="uqbench-select", description=__doc__)
     parser.add_argument("experiment")
     parser.add_argument("--key", action="append", default=None,
                         help="a setting chosen (a dotted path under results.json's settings); "

@@ -76,7 +76,7 @@ def report(experiment: str, runs_dir: Path) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m uqbench.report.sweeps",
+        prog="uqbench-sweeps",
         description="Which runs of an experiment's sweep exist; build the tables of those that "
                     "have results.")
     parser.add_argument("experiments", nargs="*", default=list(P1_EXPERIMENTS),

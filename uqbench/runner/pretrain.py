@@ -23,7 +23,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -58,6 +57,7 @@ from uqbench.data.digits import (
 )
 from uqbench.data.image_base import ArrayImageDataset
 from uqbench.data.transforms import ImagePreprocessing
+from uqbench.errors import user_errors
 
 
 @dataclass
@@ -262,12 +262,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown level(s) {bad}; valid: {', '.join(LEVELS)}")
     rows = []
     for level in dict.fromkeys(args.levels):
-        try:
+        # a corrupt cached checkpoint: uqbench's one error line, no traceback (nothing is
+        # logged: without a handler the log line would print to stderr a second time)
+        with user_errors(catch=(ValueError,), logged=False):
             result = pretrain(level, args.cache_dir, args.split_seed, force=args.force,
                               threads=args.threads)
-        except ValueError as err:  # a corrupt cached checkpoint: one clear line, no traceback
-            print(f"error: {err}", file=sys.stderr)
-            sys.exit(1)
         meta = result.meta
         rows.append((level, "built" if result.built else "cached",
                      f"{meta['probe']['acc']:.3f}",
