@@ -104,7 +104,6 @@ OmegaConf.register_new_resolver("uq.run_subdir", _run_subdir, replace=True)
 OmegaConf.register_new_resolver("uq.run_dir", _run_dir, replace=True)
 
 
-
 def build(node: DictConfig | dict[str, Any]) -> Any:
     """Hydra-instantiate a config node; a user error raised by the constructor is re-raised
     as itself (Hydra wraps it in an InstantiationException) so that it prints as one line."""

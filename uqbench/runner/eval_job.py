@@ -27,7 +27,7 @@ from uqbench.records.runfolder import RunExistsError, RunFolder, finished
 from uqbench.runner import checkpoints
 from uqbench.runner.engine import resolve_device
 from uqbench.runner.evaluation import predict_splits, score
-from uqbench.runner.parts import build_parts, environment, method_diagnostics, seed_everything
+from uqbench.runner.parts import build_parts, environment, method_diagnostics, seed_and_threads
 
 log = logging.getLogger("uqbench")
 
@@ -102,9 +102,7 @@ def _predict(configs: dict[Path, DictConfig], device: torch.device
     parts = []
     for source, source_cfg in configs.items():
         state = checkpoints.load(source / checkpoints.FINAL)
-        seed_everything(int(source_cfg.seed))
-        if source_cfg.get("torch_threads"):
-            torch.set_num_threads(int(source_cfg.torch_threads))
+        seed_and_threads(source_cfg)
         method, data, task, _ = build_parts(source_cfg, device)
         method.load_trainable_state({k: v.to(device) for k, v in state["trainable"].items()})
         parts.append(predict_splits(method, data, task, device))

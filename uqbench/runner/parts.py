@@ -63,6 +63,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def seed_and_threads(cfg: DictConfig) -> None:
+    """A job's process as its config asks, before anything is built: the seeds, then the
+    thread count where ``torch_threads`` sets one (the same float reductions as the run)."""
+    seed_everything(int(cfg.seed))
+    if cfg.get("torch_threads"):
+        torch.set_num_threads(int(cfg.torch_threads))
+
+
 def check_tasks_agree(cfg: DictConfig, method_factory: Any, data: Any, task: Any) -> None:
     """The dataset, the task scoring it and the method must all mean the same problem."""
     if task.name != data.task:

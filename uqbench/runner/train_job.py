@@ -35,7 +35,13 @@ from uqbench.records.runfolder import ConfigMismatchError, RunExistsError, RunFo
 from uqbench.runner import checkpoints, engine, objective
 from uqbench.runner.engine import resolve_device
 from uqbench.runner.evaluation import evaluate, forward_cost
-from uqbench.runner.parts import build_parts, environment, method_diagnostics, seed_everything
+from uqbench.runner.parts import (
+    build_parts,
+    environment,
+    method_diagnostics,
+    seed_and_threads,
+    seed_everything,
+)
 from uqbench.runner.training import Preempted
 
 log = logging.getLogger("uqbench")
@@ -209,9 +215,7 @@ def _train(fabric: Any, cfg: DictConfig, folder: RunFolder, trainer: Any, header
 
 def _start_process(cfg: DictConfig, device: torch.device) -> None:
     """Seeds, threads and the peak-memory counter of this process, before anything is built."""
-    seed_everything(int(cfg.seed))
-    if cfg.get("torch_threads"):
-        torch.set_num_threads(int(cfg.torch_threads))
+    seed_and_threads(cfg)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
