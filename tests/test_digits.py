@@ -26,8 +26,8 @@ from uqbench.data import digits as digits_module
 from uqbench.data.digits import DigitsData, corrupt_images, digit_images, digits_splits
 from uqbench.runner.cli import run
 
-TINY = {"epochs": 1, "lr": 1e-3, "weight_decay": 0.0, "batch_size": 5, "augment": True,
-        "seed": 0}
+TINY = {"kind_images": 0, "epochs": 1, "lr": 1e-3, "weight_decay": 0.0, "batch_size": 5,
+        "augment": True}
 COUNTS = np.bincount(load_digits().target)  # images per class, from scikit-learn itself
 
 
@@ -44,22 +44,24 @@ def test_splits_are_disjoint_stratified_and_of_the_documented_sizes():
     _, labels = digit_images(32)
     splits = digits_splits(labels, split_seed=0)
     n_up, n_down = COUNTS[:5].sum(), COUNTS[5:].sum()  # 901, 896
-    # sklearn's train_test_split rounds the test part up: ceil(901/3), ceil(0.35·896), ...
-    n_ood, n_test = math.ceil(n_up / 3), math.ceil(0.35 * n_down)
-    n_val = math.ceil((n_down - n_test) * 0.15 / 0.65)
+    # sklearn rounds a fractional test part up (ceil(901/3)); the 5–9 parts are whole counts
+    n_ood = math.ceil(n_up / 3)
+    n_kind, n_test, n_val = round(0.25 * n_down), round(0.30 * n_down), round(0.15 * n_down)
     sizes = {k: len(v) for k, v in splits.items()}
-    assert sizes == {"pretrain": n_up - n_ood, "ood": n_ood, "train": n_down - n_test - n_val,
-                     "val": n_val, "test": n_test} == {"pretrain": 600, "ood": 301,
-                                                       "train": 447, "val": 135, "test": 314}
+    assert sizes == {"pretrain": n_up - n_ood, "ood": n_ood, "kind": n_kind,
+                     "train": n_down - n_kind - n_test - n_val, "val": n_val,
+                     "test": n_test} == {"pretrain": 600, "ood": 301, "kind": 224,
+                                         "train": 269, "val": 134, "test": 269}
     every = np.concatenate(list(splits.values()))
     assert len(np.unique(every)) == len(every) == len(labels)  # disjoint, covering all 1797
-    for name, fraction, classes in (("ood", 1 / 3, range(5)), ("test", 0.35, range(5, 10)),
-                                    ("val", 0.15, range(5, 10))):
+    for name, fraction, classes in (("ood", 1 / 3, range(5)), ("kind", 0.25, range(5, 10)),
+                                    ("test", 0.30, range(5, 10)), ("val", 0.15, range(5, 10))):
         per_class = np.bincount(labels[splits[name]], minlength=10)
         for c in classes:  # stratified: each class's share within one image of the fraction
             assert abs(per_class[c] - fraction * COUNTS[c]) <= 1, (name, c)
     assert set(labels[splits["pretrain"]]) == set(labels[splits["ood"]]) == {0, 1, 2, 3, 4}
-    assert set(labels[splits["train"]]) == set(labels[splits["test"]]) == {5, 6, 7, 8, 9}
+    assert (set(labels[splits["train"]]) == set(labels[splits["test"]])
+            == set(labels[splits["kind"]]) == {5, 6, 7, 8, 9})
     # fixed across calls (model seeds never enter), different for another split seed
     assert all(np.array_equal(v, digits_splits(labels, 0)[k]) for k, v in splits.items())
     assert not np.array_equal(splits["ood"], digits_splits(labels, 1)["ood"])
@@ -141,7 +143,7 @@ def test_bad_corruption_or_severity_is_refused_before_anything_runs(compose_cfg,
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """The weak level's pipeline on 10 pretraining images for one epoch, and the indices of
+    """The `other` level's pipeline on 10 pretraining images for one epoch, and the indices of
     the images its training read."""
     from uqbench.runner import pretrain as module
 
@@ -155,7 +157,7 @@ def tiny(tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(module, "ArrayImageDataset", spy)
-        result = module.pretrain("weak", cache, recipe=TINY, max_images=10, log=lambda s: None)
+        result = module.pretrain("other", cache, recipe=TINY, max_images=10, log=lambda s: None)
     return result, read
 
 
@@ -176,8 +178,46 @@ def test_pretraining_reads_only_pretraining_images_and_timm_vit_loads_the_weight
     assert not torch.equal(fresh.state_dict()["blocks.0.attn.qkv.weight"],
                            saved["blocks.0.attn.qkv.weight"])
     meta = json.loads(result.sidecar.read_text())
-    assert meta["probe"]["n_train"] == meta["probe"]["n_test"] == 10
+    assert meta["probe"]["n_train"] == meta["probe"]["n_eval"] == 10
+    assert meta["probe"]["split"] == "val"  # levels are designed on validation, never test
     assert 0 <= meta["probe"]["acc"] <= 1 and meta["settings"]["recipe"] == TINY
+
+
+def test_a_level_that_saw_the_downstream_kind_reads_only_the_kind_pool_besides(monkeypatch,
+                                                                              tmp_path):
+    from uqbench.runner import pretrain as module
+
+    seen = {}
+
+    def fake_train(recipe, split, seed, max_images, log):
+        seen["idx"], seen["classes"] = module.pretraining_images(recipe, split, max_images)
+        raise RuntimeError("stop")  # only the data matters here
+
+    monkeypatch.setattr(module, "train_supervised", fake_train)
+    with pytest.raises(RuntimeError, match="stop"):
+        module.pretrain("foundation", tmp_path, seed=1)
+    _, labels = digit_images(32)
+    splits = digits_splits(labels)
+    assert set(seen["idx"]) == set(splits["pretrain"]) | set(splits["kind"])  # 600 + 224
+    assert seen["classes"] == 10
+    assert not set(seen["idx"]) & (set(splits["train"]) | set(splits["val"])
+                                   | set(splits["test"]) | set(splits["ood"]))
+    near, classes = module.pretraining_images({"kind_images": 25}, {"split_seed": 0,
+                                                                     "kind_fraction": 0.25})
+    extra = np.setdiff1d(near, splits["pretrain"])
+    assert classes == 10 and np.bincount(labels[extra], minlength=10)[5:].tolist() == [5] * 5
+
+
+def test_random_level_weights_follow_the_pretraining_seed_not_the_run_state(tmp_path):
+    def qkv(seed: int, state: int) -> torch.Tensor:
+        torch.manual_seed(state)  # whatever the runner drew before building
+        return DigitsViT("r", "random", tmp_path, pretrain_seed=seed).build().state_dict()[
+            "blocks.0.attn.qkv.weight"]
+
+    assert torch.equal(qkv(1, 0), qkv(1, 99)) and not torch.equal(qkv(1, 0), qkv(2, 0))
+    torch.manual_seed(1)  # what uqbench-pretrain probes for the random level with seed 1
+    probed = TimmViT("digits_vit", MODEL, pretrained=False, model_kwargs=ARCHITECTURE).build()
+    assert torch.equal(probed.state_dict()["blocks.0.attn.qkv.weight"], qkv(1, 5))
 
 
 def test_second_call_reuses_the_cache_without_training(tiny, monkeypatch):
@@ -186,14 +226,14 @@ def test_second_call_reuses_the_cache_without_training(tiny, monkeypatch):
     result, _ = tiny
     mtime = result.weights.stat().st_mtime_ns
     monkeypatch.setattr(module, "train_supervised", lambda *a, **k: pytest.fail("trained"))
-    again = module.pretrain("weak", result.weights.parents[1], recipe=TINY, max_images=10)
+    again = module.pretrain("other", result.weights.parents[1], recipe=TINY, max_images=10)
     assert not again.built and again.weights == result.weights
     assert result.weights.stat().st_mtime_ns == mtime and again.meta == result.meta
 
 
-def _as_weak_level(tiny, cache) -> DigitsViT:
-    """A DigitsViT weak backbone whose cache holds the tiny checkpoint at its expected path."""
-    backbone = DigitsViT("digits_vit_weak", "weak", cache_dir=cache)
+def _as_other_level(tiny, cache) -> DigitsViT:
+    """A DigitsViT `other` backbone whose cache holds the tiny checkpoint at its expected path."""
+    backbone = DigitsViT("digits_vit_other", "other", cache_dir=cache)
     weights, sidecar = checkpoint_paths(cache, backbone.settings)
     weights.parent.mkdir(parents=True)
     shutil.copy(tiny[0].weights, weights)
@@ -204,46 +244,50 @@ def _as_weak_level(tiny, cache) -> DigitsViT:
 def test_truncated_checkpoint_is_refused_naming_the_file(tiny, tmp_path):
     from uqbench.runner.pretrain import pretrain
 
-    backbone = _as_weak_level(tiny, tmp_path)
+    backbone = _as_other_level(tiny, tmp_path)
     assert backbone.build()(torch.zeros(2, 3, 32, 32)).shape == (2, 64)  # intact: loads
     data = backbone.checkpoint.read_bytes()
     backbone.checkpoint.write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointCorruptError) as err:
         backbone.build()
     assert str(backbone.checkpoint) in str(err.value)
-    assert f"uqbench-pretrain weak --cache-dir {tmp_path} --force" in str(err.value)
+    assert f"uqbench-pretrain other --seeds 0 --cache-dir {tmp_path} --force" in str(err.value)
     # the pretraining command refuses it too, instead of silently reusing it
     cache = tmp_path / "own"
     shutil.copytree(tiny[0].weights.parent, cache / "digits_vit")
     weights = cache / "digits_vit" / tiny[0].weights.name
     weights.write_bytes(weights.read_bytes()[:-100])
     with pytest.raises(CheckpointCorruptError, match=str(weights)):
-        pretrain("weak", cache, recipe=TINY, max_images=10)
+        pretrain("other", cache, recipe=TINY, max_images=10)
 
 
 def test_missing_checkpoint_names_the_command_that_builds_it(tmp_path):
-    backbone = DigitsViT("digits_vit_strong", "strong", cache_dir=tmp_path)
-    with pytest.raises(FileNotFoundError, match=f"uqbench-pretrain strong --cache-dir {tmp_path}"):
+    backbone = DigitsViT("digits_vit_other", "other", cache_dir=tmp_path)
+    with pytest.raises(FileNotFoundError,
+                       match=f"uqbench-pretrain other --seeds 0 --cache-dir {tmp_path}"):
         backbone.build()
     assert DigitsViT("r", "random", cache_dir=tmp_path).build()  # needs no checkpoint
-    with pytest.raises(ValueError, match="'medium'.*random, weak, strong"):
+    with pytest.raises(ValueError, match="'medium'.*random, other, near, foundation"):
         DigitsViT("m", "medium", cache_dir=tmp_path)
 
 
 def test_dataset_refuses_a_backbone_pretrained_on_another_split(tmp_path):
-    with pytest.raises(ValueError, match="split_seed=1.*dataset.split_seed=0"):
-        DigitsData(corruptions=None).setup(DigitsViT("w", "weak", tmp_path, split_seed=1))
+    with pytest.raises(ValueError, match="'split_seed': 1.*dataset.split_seed"):
+        DigitsData(corruptions=None).setup(DigitsViT("w", "other", tmp_path, split_seed=1))
+    with pytest.raises(ValueError, match="'kind_fraction': 0.2.*dataset.kind_fraction"):
+        DigitsData(corruptions=None).setup(DigitsViT("w", "other", tmp_path, kind_fraction=0.2))
+    DigitsData(corruptions=None).setup(DigitsViT("r", "random", tmp_path, split_seed=1))
 
 
 def test_pretrain_command_prints_the_probe_and_refuses_unknown_levels(tmp_path, capsys):
     from uqbench.runner.pretrain import main
 
-    main(["random", "--cache-dir", str(tmp_path)])
+    main(["random", "--seeds", "0", "--cache-dir", str(tmp_path)])
     out = capsys.readouterr().out
-    (sidecar,) = (tmp_path / "digits_vit").glob("random-*.json")
+    (sidecar,) = (tmp_path / "digits_vit").glob("random-s0-*.json")
     acc = json.loads(sidecar.read_text())["probe"]["acc"]
     assert "random" in out and "built" in out and f"{acc:.3f}" in out
-    main(["random", "--cache-dir", str(tmp_path)])
+    main(["random", "--seeds", "0", "--cache-dir", str(tmp_path)])
     assert "cached" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["medium", "--cache-dir", str(tmp_path)])

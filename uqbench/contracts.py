@@ -45,7 +45,7 @@ class InputBackbone(Protocol):
     name: str
     modality: str  # image | text | tabular: the inputs the encoder takes
     max_length: int | None  # tokens per text example; None: not a text backbone
-    pretrain_split_seed: int | None  # the digits split the weights were pretrained on
+    pretrain_split: dict[str, Any] | None  # the digits split the weights were pretrained on
 
     @property
     def dynamic_image_size(self) -> bool:

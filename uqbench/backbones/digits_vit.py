@@ -1,26 +1,30 @@
-"""A small ViT pretrained on scikit-learn's digits 0–4, at three quality levels.
+"""A small ViT pretrained on scikit-learn's digits, at four quality levels.
 
 The architecture (:data:`ARCHITECTURE`, timm ``vit_tiny_patch16_224`` resized: 32 px input,
 8-px patches → 16 tokens + [CLS], width 64, 4 blocks of 4 heads, MLP ×2; 148k parameters) has
 the DINO ViTs' module names (``blocks.N.attn.qkv``, ``attn.proj``, ``mlp.fc1``, ``mlp.fc2``),
 so every method applies. Features: the mean patch token after the final norm, (B, 64).
 
-Levels (:data:`RECIPES`; ``uqbench-pretrain`` builds them, :mod:`uqbench.runner.pretrain`), with the
-linear-probe accuracy on the downstream task (split_seed 0; in brackets: over pretraining seeds
-0–2, which shows how far a probe on 314 test images moves by chance):
+Levels (:data:`RECIPES`; ``uqbench-pretrain`` builds them, :mod:`uqbench.runner.pretrain`), by
+what each has seen; their quality is the linear probe on the downstream validation split,
+recorded per pretraining seed in each checkpoint's sidecar and in every run's results:
 
-- ``random``: timm's random initialisation (seeded by the run), no checkpoint: 0.79
-  (0.787–0.796). Random ViT features of digits are already a fair linear baseline.
-- ``weak``: supervised on the 600 pretraining images (classes 0–4), 20 epochs, lr 1e-3, no
-  augmentation: it memorises them (train accuracy 1.0) and transfers little: 0.82 (0.79–0.82).
-- ``strong``: supervised on the same images, 60 epochs, lr 3e-3, weight decay 0.3, random
-  affine augmentation: 0.90 (0.85–0.90).
+- ``random``: timm's random initialisation under the pretraining seed; no checkpoint.
+- ``other``: supervised on the 600 pretraining images of the *other* digits 0–4 (never a 5–9),
+  40 epochs with random affine augmentation.
+- ``near``: the same recipe on those 600 images plus 25 of the kind pool (5 images of each
+  downstream digit 5–9 that no downstream split holds), ten-way: it has glimpsed the task's kind.
+- ``foundation``: the same recipe plus the whole kind pool (224 images of 5–9), as a foundation
+  model has seen many flowers before it is fine-tuned on Flowers102; its frozen features are
+  meant to be nearly as good as fine-tuning, the regime P1's claims are made in.
 
-A pretrained level's weights are a ``.safetensors`` file in ``<cache_dir>/digits_vit/`` named
-by the level and a fingerprint of every setting the weights depend on, with a sidecar JSON
-(sha256 of the weights, settings, linear-probe accuracy). They load through timm's pretrained
-loader exactly as the DINO checkpoints do (:class:`~uqbench.backbones.timm_vit.TimmViT`); the
-file is checked against its sidecar first, so a truncated or altered file is refused.
+Each level is pretrained with several seeds (``pretrain_seed``; the benchmark pairs run seed k
+with pretraining seed k). A pretrained level's weights are a ``.safetensors`` file in
+``<cache_dir>/digits_vit/`` named by the level, the seed and a fingerprint of every setting the
+weights depend on, with a sidecar JSON (sha256 of the weights, settings, linear probe). They
+load through timm's pretrained loader exactly as the DINO checkpoints do
+(:class:`~uqbench.backbones.timm_vit.TimmViT`); the file is checked against its sidecar first,
+so a truncated or altered file is refused.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+import torch
+from torch import nn
+
 from uqbench.backbones.timm_vit import TimmViT
 from uqbench.contracts import one_of
 
@@ -40,30 +47,39 @@ MODEL = "vit_tiny_patch16_224"
 ARCHITECTURE: dict[str, Any] = {"img_size": 32, "patch_size": 8, "embed_dim": 64, "depth": 4,
                                 "num_heads": 4, "mlp_ratio": 2.0, "global_pool": "avg"}
 # AdamW with a cosine schedule; `augment`: random rotation ±10°, shift ±10 %, scale 0.9–1.1.
-Level = Literal["random", "weak", "strong"]
+# `kind_images`: how many images of the kind pool (other images of the downstream digits 5–9,
+# never a downstream split; balanced over classes; null: all of it) join the 600 pretraining
+# images of 0–4; with any, the pretraining head has ten classes.
+Level = Literal["random", "other", "near", "foundation"]
 RECIPES: dict[str, dict[str, Any] | None] = {
     "random": None,
-    "weak": {"epochs": 20, "lr": 1e-3, "weight_decay": 0.05, "batch_size": 32,
-             "augment": False, "seed": 0},
-    "strong": {"epochs": 60, "lr": 3e-3, "weight_decay": 0.3, "batch_size": 32,
-               "augment": True, "seed": 0},
+    "other": {"kind_images": 0, "epochs": 40, "lr": 3e-3, "weight_decay": 0.3,
+              "batch_size": 32, "augment": True},
+    "near": {"kind_images": 25, "epochs": 40, "lr": 3e-3, "weight_decay": 0.3,
+             "batch_size": 32, "augment": True},
+    "foundation": {"kind_images": None, "epochs": 40, "lr": 3e-3, "weight_decay": 0.3,
+                   "batch_size": 32, "augment": True},
 }
 LEVELS: tuple[str, ...] = get_args(Level)
-FORMAT = 1  # bump when the pretraining code changes what a recipe produces
+FORMAT = 2  # bump when the pretraining code changes what a recipe produces
 SUBDIR = "digits_vit"
+# The digits split every level is pretrained on by default (= the digits dataset's defaults).
+DEFAULT_SPLIT: dict[str, Any] = {"split_seed": 0, "kind_fraction": 0.25}
 
 
 class CheckpointCorruptError(ValueError):
     """A cached checkpoint does not match its sidecar (truncated, altered or half-written)."""
 
 
-def pretrain_settings(level: str, split_seed: int = 0,
+def pretrain_settings(level: str, split: dict[str, Any] | None = None, seed: int = 0,
                       recipe: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Everything a level's weights depend on (``recipe`` replaces the level's own)."""
+    """Everything a level's weights depend on: the recipe (``recipe`` replaces the level's
+    own), the digits split it reads (``{split_seed, kind_fraction}``) and the seed."""
     one_of("backbone.level", level, Level)
+    chosen = RECIPES[level] if recipe is None else dict(recipe)
     return {"format": FORMAT, "model": MODEL, "architecture": ARCHITECTURE, "level": level,
-            "recipe": RECIPES[level] if recipe is None else dict(recipe),
-            "split_seed": int(split_seed), "image_size": ARCHITECTURE["img_size"]}
+            "recipe": chosen, "split": dict(DEFAULT_SPLIT if split is None else split),
+            "seed": int(seed), "image_size": ARCHITECTURE["img_size"]}
 
 
 def fingerprint(settings: dict[str, Any]) -> str:
@@ -73,15 +89,20 @@ def fingerprint(settings: dict[str, Any]) -> str:
 
 
 def checkpoint_paths(cache_dir: str | Path, settings: dict[str, Any]) -> tuple[Path, Path]:
-    """(weights .safetensors, sidecar .json) of these settings under ``cache_dir``."""
-    stem = Path(cache_dir).expanduser() / SUBDIR / f"{settings['level']}-{fingerprint(settings)}"
+    """(weights .safetensors, sidecar .json) of these settings under ``cache_dir``; the random
+    level has a sidecar only (its probe)."""
+    stem = (Path(cache_dir).expanduser() / SUBDIR
+            / f"{settings['level']}-s{settings['seed']}-{fingerprint(settings)}")
     return stem.with_suffix(".safetensors"), stem.with_suffix(".json")
 
 
-def build_command(level: str, cache_dir: str | Path, split_seed: int = 0) -> str:
-    """The shell command that (re)builds ``level`` in ``cache_dir``."""
-    seed = f" --split-seed {split_seed}" if split_seed else ""
-    return f"uqbench-pretrain {level} --cache-dir {cache_dir}{seed}"
+def build_command(level: str, cache_dir: str | Path, split: dict[str, Any] | None = None,
+                  seed: int = 0) -> str:
+    """The shell command that (re)builds ``level`` with ``seed`` in ``cache_dir``."""
+    split = dict(DEFAULT_SPLIT if split is None else split)
+    extra = "".join(f" --{key.replace('_', '-')} {split[key]}" for key in DEFAULT_SPLIT
+                    if split[key] != DEFAULT_SPLIT[key])
+    return f"uqbench-pretrain {level} --seeds {seed} --cache-dir {cache_dir}{extra}"
 
 
 def sha256_file(path: Path) -> str:
@@ -119,41 +140,60 @@ def verify_checkpoint(weights: Path, sidecar: Path, rebuild: str) -> dict[str, A
 
 
 class DigitsViT(TimmViT):
-    """The digits ViT at ``level`` (random | weak | strong); see the module docstring.
+    """The digits ViT at ``level`` (see the module docstring).
 
     cache_dir: where ``uqbench-pretrain`` put the checkpoints (``paths.cache_dir``).
-    split_seed: the digits split it is pretrained on (must equal ``dataset.split_seed``).
+    split_seed, kind_fraction: the digits split it is pretrained on (must equal the dataset's).
+    pretrain_seed: which of the level's pretrainings (the benchmark pairs run seed k with
+    pretraining seed k, so the spread over seeds includes the backbone's own randomness); for
+    the random level, the seed of timm's initialisation.
     """
 
     def __init__(self, name: str, level: Level, cache_dir: str | Path, split_seed: int = 0,
+                 kind_fraction: float = 0.25, pretrain_seed: int = 0,
                  targets: Sequence[str] = ("qkv", "proj", "fc1", "fc2"),
                  attention_targets: Sequence[str] = ("qkv", "proj")) -> None:
         self.level, self.cache_dir = level, Path(cache_dir).expanduser()
-        self.pretrain_split_seed = int(split_seed)
-        self.settings = pretrain_settings(level, self.pretrain_split_seed)
+        split = {"split_seed": int(split_seed), "kind_fraction": float(kind_fraction)}
+        self.pretrain_seed = int(pretrain_seed)
+        self.settings = pretrain_settings(level, split, self.pretrain_seed)
         pretrained = RECIPES[level] is not None
         weights, self.sidecar = checkpoint_paths(self.cache_dir, self.settings)
         super().__init__(name, MODEL, pretrained=pretrained,
                          checkpoint=str(weights) if pretrained else None,
                          model_kwargs=ARCHITECTURE, targets=targets,
                          attention_targets=attention_targets)
-        if not pretrained:  # random weights are not tied to any pretraining split
-            self.pretrain_split_seed = None
+        # random weights saw no digits split
+        self.pretrain_split = split if pretrained else None
+
+    def build(self) -> nn.Module:
+        """The encoder; the random level's weights are timm's initialisation under
+        ``pretrain_seed`` (the one its recorded probe measured), whatever the run's RNG state."""
+        if self.pretrained:
+            return super().build()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.pretrain_seed)
+            return super().build()
 
     def details(self) -> dict[str, Any]:
-        """The level and its linear-probe accuracy on the downstream task (the backbone's
-        quality), from the sidecar ``uqbench-pretrain`` wrote; None where it has not run."""
+        """The level, its pretraining seed, the weights' sha256 and the linear-probe accuracy
+        on the downstream validation split (the backbone's quality), from the sidecar
+        ``uqbench-pretrain`` wrote; None where it has not run."""
         meta = read_sidecar(self.sidecar) or {}
-        return {"level": self.level, "probe_acc": (meta.get("probe") or {}).get("acc")}
+        probe = meta.get("probe") or {}
+        return {"level": self.level, "pretrain_seed": self.pretrain_seed,
+                "probe_acc": probe.get("acc"), "probe_split": probe.get("split"),
+                "sha256": meta.get("sha256")}
 
     def checkpoint_file(self) -> Path:
         """The verified weight file, or an error saying which command builds it."""
-        command = build_command(self.level, self.cache_dir, self.settings["split_seed"])
+        command = build_command(self.level, self.cache_dir, self.settings["split"],
+                                self.pretrain_seed)
         if self.checkpoint is None or not self.checkpoint.is_file():
             raise FileNotFoundError(
                 f"backbone '{self.name}' has no pretrained checkpoint yet: {self.checkpoint} "
                 f"does not exist. Build it with\n  {command}\n"
-                f"(or every level into the default cache dir: `make digits-pretrain`), "
+                f"(or every level and seed into the default cache dir: `make digits-pretrain`), "
                 f"then run again")
         verify_checkpoint(self.checkpoint, self.sidecar, command)
         return self.checkpoint

@@ -9,9 +9,12 @@ The ten classes are used twice, never overlapping (all splits stratified by clas
 - classes 0–4 (901 images): two thirds (600) are the **pretraining** images of the digits ViTs
   (``uqbench-pretrain``); the held-out third (301) is the **OOD** split ``ood``, images no
   pretraining ever sees.
-- classes 5–9 (896 images), relabelled 0–4, are the **downstream** task: ``test`` =
-  ``test_fraction`` (0.35: 314), ``val`` = ``val_fraction`` (0.15: 135), ``train`` = the rest
-  (447).
+- classes 5–9 (896 images), relabelled 0–4, are the **downstream** task. ``kind_fraction``
+  (0.25: 224) of them is the **kind** pool: other images of the downstream classes, which only
+  the foundation-grade backbone levels pretrain on (as a foundation model has seen flowers
+  before it is fine-tuned on Flowers102), never a downstream split. Of the rest: ``test`` =
+  ``test_fraction`` of the 896 (0.30: 269), ``val`` = ``val_fraction`` (0.15: 134), ``train``
+  = what remains (269).
 
 Images are scaled to 0–255, upsampled bilinearly from 8×8 to ``image_size`` and repeated to 3
 channels (uint8 (N, S, S, 3)); then the backbone's ``data_config()`` preprocessing (mean/std) is
@@ -69,33 +72,46 @@ def digit_images(image_size: int = 32) -> tuple[np.ndarray, np.ndarray]:
     return images, digits.target.astype(np.int64)
 
 
-def check_fractions(val_fraction: float, test_fraction: float) -> None:
-    if not 0 < test_fraction < 1 or not 0 <= val_fraction < 1 - test_fraction:
-        raise ValueError(f"dataset.test_fraction ({test_fraction}) must be in (0, 1) and "
-                         f"dataset.val_fraction ({val_fraction}) in [0, 1 - test_fraction)")
+def check_fractions(val_fraction: float, test_fraction: float, kind_fraction: float = 0.0
+                    ) -> None:
+    """The downstream fractions leave a training split (each of the 896 images 5–9)."""
+    if (not 0 < test_fraction < 1 or not 0 <= kind_fraction < 1
+            or not 0 <= val_fraction < 1 - test_fraction - kind_fraction):
+        raise ValueError(f"dataset.test_fraction ({test_fraction}) must be in (0, 1), "
+                         f"dataset.kind_fraction ({kind_fraction}) in [0, 1) and "
+                         f"dataset.val_fraction ({val_fraction}) in "
+                         f"[0, 1 - test_fraction - kind_fraction)")
+
+
+def _take(pool: np.ndarray, labels: np.ndarray, n: float, seed: int
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """(rest, taken): ``n`` images of ``pool`` (a fraction of it when n < 1), stratified."""
+    from sklearn.model_selection import train_test_split
+
+    if n == 0:
+        return pool, pool[:0]
+    rest, taken = train_test_split(pool, test_size=n, stratify=labels[pool], random_state=seed)
+    return rest, taken
 
 
 def digits_splits(labels: np.ndarray, split_seed: int = 0, val_fraction: float = 0.15,
-                  test_fraction: float = 0.35) -> dict[str, np.ndarray]:
-    """Indices into ``labels`` (N,) of the splits pretrain, ood (classes 0–4) and train, val,
-    test (classes 5–9): sorted, disjoint, each stratified by class."""
-    from sklearn.model_selection import train_test_split
-
-    check_fractions(val_fraction, test_fraction)
+                  test_fraction: float = 0.30, kind_fraction: float = 0.25
+                  ) -> dict[str, np.ndarray]:
+    """Indices into ``labels`` (N,) of the splits pretrain, ood (classes 0–4) and kind, train,
+    val, test (classes 5–9): sorted, disjoint, each stratified by class. The fractions are of
+    the images 5–9; ``kind`` is drawn first, so the downstream splits of any kind_fraction > 0
+    share one draw order."""
+    check_fractions(val_fraction, test_fraction, kind_fraction)
     idx = np.arange(len(labels))
     up = np.isin(labels, PRETRAIN_CLASSES)
-    pretrain, ood = train_test_split(idx[up], test_size=OOD_FRACTION, stratify=labels[up],
-                                     random_state=split_seed)
+    pretrain, ood = _take(idx[up], labels, OOD_FRACTION, split_seed)
     down = idx[~up]
-    rest, test = train_test_split(down, test_size=test_fraction, stratify=labels[down],
-                                  random_state=split_seed)
-    if val_fraction > 0:
-        train, val = train_test_split(rest, test_size=val_fraction / (1 - test_fraction),
-                                      stratify=labels[rest], random_state=split_seed)
-    else:
-        train, val = rest, rest[:0]
-    return {k: np.sort(v) for k, v in
-            {"pretrain": pretrain, "ood": ood, "train": train, "val": val, "test": test}.items()}
+    n = len(down)
+    rest, kind = _take(down, labels, round(kind_fraction * n), split_seed)
+    rest, test = _take(rest, labels, round(test_fraction * n), split_seed)
+    train, val = _take(rest, labels, round(val_fraction * n), split_seed)
+    return {k: np.sort(v) for k, v in {"pretrain": pretrain, "ood": ood, "kind": kind,
+                                       "train": train, "val": val, "test": test}.items()}
 
 
 def balanced_head(indices: np.ndarray, labels: np.ndarray, n: int | None) -> np.ndarray:
@@ -179,7 +195,8 @@ class DigitsData(ImageDataModule):
     num_classes = len(DOWNSTREAM_CLASSES)
 
     def __init__(self, name: str = "digits", image_size: int = 32, split_seed: int = 0,
-                 val_fraction: float = 0.15, test_fraction: float = 0.35, ood: bool = True,
+                 val_fraction: float = 0.15, test_fraction: float = 0.30,
+                 kind_fraction: float = 0.25, ood: bool = True,
                  corruptions: Any = DEFAULT_CORRUPTIONS, severities: Any = SEVERITIES,
                  corruption_seed: int = 0, max_per_split: int | None = None,
                  augment: bool = False, hflip: float = 0.0, crop_pct: float | None = 1.0,
@@ -187,7 +204,8 @@ class DigitsData(ImageDataModule):
         super().__init__(".", name, augment=augment, hflip=hflip, crop_pct=crop_pct, **kwargs)
         self.image_size, self.split_seed = int(image_size), int(split_seed)
         self.val_fraction, self.test_fraction = float(val_fraction), float(test_fraction)
-        check_fractions(self.val_fraction, self.test_fraction)
+        self.kind_fraction = float(kind_fraction)
+        check_fractions(self.val_fraction, self.test_fraction, self.kind_fraction)
         if max_per_split is not None and int(max_per_split) < 1:
             raise ValueError(f"dataset.max_per_split must be >= 1 or null, got {max_per_split}")
         self.max_per_split = None if max_per_split is None else int(max_per_split)
@@ -203,20 +221,27 @@ class DigitsData(ImageDataModule):
         if self.corruptions:
             corruption_names()  # the library imports
 
+    def pretrain_split(self) -> dict[str, Any]:
+        """What a pretrained digits backbone must have been pretrained on to leave this
+        dataset's downstream and OOD images unseen."""
+        return {"split_seed": self.split_seed, "kind_fraction": self.kind_fraction}
+
     def setup(self, backbone: InputBackbone | None = None) -> None:
-        pretrained_on = None if backbone is None else backbone.pretrain_split_seed
-        if backbone is not None and pretrained_on not in (None, self.split_seed):
+        seen = None if backbone is None else backbone.pretrain_split
+        if seen is not None and seen != self.pretrain_split():
             raise ValueError(
-                f"backbone '{backbone.name}' was pretrained on the digits split with "
-                f"split_seed={pretrained_on}, but dataset.split_seed={self.split_seed}: its "
-                f"pretraining images would fall into `ood`. Use the same seed for both "
-                f"(backbone.split_seed and dataset.split_seed)")
+                f"backbone '{backbone.name}' was pretrained on the digits split {seen}, but "
+                f"this dataset uses {self.pretrain_split()} (dataset.split_seed, "
+                f"dataset.kind_fraction): its pretraining images would fall into the "
+                f"downstream or OOD splits. Use the same values for both (backbone.split_seed, "
+                f"backbone.kind_fraction)")
         super().setup(backbone)
 
     def split_indices(self) -> dict[str, np.ndarray]:
         """Indices into :func:`digit_images` of every split (after ``max_per_split``)."""
         _, labels = digit_images(self.image_size)
-        splits = digits_splits(labels, self.split_seed, self.val_fraction, self.test_fraction)
+        splits = digits_splits(labels, self.split_seed, self.val_fraction, self.test_fraction,
+                               self.kind_fraction)
         return {k: balanced_head(v, labels, self.max_per_split) for k, v in splits.items()}
 
     def build(self, train_transform: Callable, eval_transform: Callable) -> dict[str, Dataset]:
@@ -245,6 +270,7 @@ class DigitsData(ImageDataModule):
         return super().settings() | {
             "image_size": self.image_size, "split_seed": self.split_seed,
             "val_fraction": self.val_fraction, "test_fraction": self.test_fraction,
+            "kind_fraction": self.kind_fraction,
             "ood": "digits 0-4 held out" if self.use_ood else None,
             "corruptions": list(self.corruptions), "severities": list(self.severities),
             "corruption_seed": self.corruption_seed, "max_per_split": self.max_per_split}

@@ -1,20 +1,30 @@
 """Pretrain the digits ViTs (`uqbench-pretrain`) and measure each level's linear probe.
 
-    uqbench-pretrain                       # every level: random, weak, strong
-    uqbench-pretrain strong --force        # rebuild one level
+    uqbench-pretrain                       # every level, pretraining seeds 0 1 2
+    uqbench-pretrain strong --seeds 0 --force   # rebuild one level and seed
+    uqbench-pretrain --jobs 2              # two pretrainings at a time (one thread each)
     uqbench-pretrain --cache-dir DIR       # default: $UQBENCH_CACHE or .cache/uqbench,
                                            # the runner's paths.cache_dir
 
 A pretrained level (:data:`~uqbench.backbones.digits_vit.RECIPES`) is trained supervised on the
 600 pretraining images (digits 0–4, :func:`~uqbench.data.digits.digits_splits`; never the
-downstream or OOD images) with a 5-way linear head, which is then dropped: the checkpoint holds
-the encoder only, as the DINO checkpoints do. It is written with its sidecar JSON, then loaded
-back through :class:`~uqbench.backbones.timm_vit.TimmViT` (timm's pretrained loader) for the
-probe. A cached, intact checkpoint is reused without training; a corrupt one is refused.
+downstream or OOD images), plus, for the levels that have seen the downstream kind, images of
+the kind pool (other images of 5–9, never a downstream split), with a linear head that is then
+dropped: the checkpoint holds the encoder only, as the DINO checkpoints do. It is written with
+its sidecar JSON, then loaded back through :class:`~uqbench.backbones.timm_vit.TimmViT` (timm's
+pretrained loader) for the probe. A cached, intact checkpoint is reused without training; a
+corrupt one is refused.
 
 Backbone quality is the standard linear probe: logistic regression (scikit-learn, standardised
-features) on the frozen features of the downstream train split, accuracy on its test split.
-The random level's probe uses timm's initialisation under seed 0 (no weights are stored).
+features) on the frozen features of the downstream train split, accuracy on its **validation**
+split (the levels are designed and spaced on it; no probe reads the test split). The random
+level's probe uses timm's initialisation under its seed (no weights are stored).
+
+Determinism: one thread, ``torch.use_deterministic_algorithms`` and seeded data order make a
+rebuild on the same machine bit-identical (same sha256). Across CPUs it is not: float kernels
+differ by instruction set, so another machine's weights differ in the last bits and training
+amplifies that; the benchmark therefore pretrains every level with several seeds and reports
+the spread over them.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ from torchvision import transforms as T
 
 from uqbench.backbones.digits_vit import (
     ARCHITECTURE,
+    DEFAULT_SPLIT,
     LEVELS,
     MODEL,
     build_command,
@@ -49,6 +60,7 @@ from uqbench.backbones.digits_vit import (
 )
 from uqbench.backbones.timm_vit import TimmViT
 from uqbench.data.digits import (
+    DOWNSTREAM_CLASSES,
     PRETRAIN_CLASSES,
     DigitsData,
     balanced_head,
@@ -62,10 +74,11 @@ from uqbench.errors import user_errors
 
 @dataclass
 class Pretrained:
-    """One level in the cache: weights (None for random), sidecar, its content, and whether
-    this call trained it (False: reused from the cache)."""
+    """One level and seed in the cache: weights (None for random), sidecar, its content, and
+    whether this call trained it (False: reused from the cache)."""
 
     level: str
+    seed: int
     weights: Path | None
     sidecar: Path
     meta: dict[str, Any]
@@ -92,21 +105,23 @@ def _split_tensors(data: DigitsData, split: str) -> tuple[torch.Tensor, torch.Te
     return images, labels
 
 
-def linear_probe(encoder: nn.Module, split_seed: int = 0, max_images: int | None = None
+def linear_probe(encoder: nn.Module, split: dict[str, Any], max_images: int | None = None
                  ) -> dict[str, Any]:
-    """Accuracy of a logistic regression on frozen features, downstream train → test."""
+    """Accuracy of a logistic regression on frozen features: fitted on the downstream train
+    split, scored on its validation split."""
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
 
-    data = DigitsData(split_seed=split_seed, ood=False, corruptions=None,
+    data = DigitsData(split_seed=int(split["split_seed"]),
+                      kind_fraction=float(split["kind_fraction"]), ood=False, corruptions=None,
                       max_per_split=max_images)
     data.setup(_encoder_spec())
-    (x_tr, y_tr), (x_te, y_te) = (_split_tensors(data, s) for s in ("train", "test"))
+    (x_tr, y_tr), (x_val, y_val) = (_split_tensors(data, s) for s in ("train", "val"))
     probe = make_pipeline(StandardScaler(), LogisticRegression(max_iter=5000))
     probe.fit(features(encoder, x_tr), y_tr.numpy())
-    acc = float((probe.predict(features(encoder, x_te)) == y_te.numpy()).mean())
-    return {"acc": acc, "n_train": len(y_tr), "n_test": len(y_te),
+    acc = float((probe.predict(features(encoder, x_val)) == y_val.numpy()).mean())
+    return {"acc": acc, "split": "val", "n_train": len(y_tr), "n_eval": len(y_val),
             "classifier": "StandardScaler + LogisticRegression(max_iter=5000)"}
 
 
@@ -120,24 +135,40 @@ def _train_transform(preprocessing: ImagePreprocessing, augment: bool) -> Callab
                       eval_tf])
 
 
-def train_supervised(recipe: dict[str, Any], split_seed: int = 0,
+def pretraining_images(recipe: dict[str, Any], split: dict[str, Any],
+                       max_images: int | None = None) -> tuple[np.ndarray, int]:
+    """Indices into :func:`digit_images` a recipe trains on, and its number of classes: the
+    pretraining images of 0–4 and ``kind_images`` of the kind pool (5–9; null: all)."""
+    _, labels = digit_images(ARCHITECTURE["img_size"])
+    splits = digits_splits(labels, int(split["split_seed"]),
+                           kind_fraction=float(split["kind_fraction"]))
+    idx = balanced_head(splits["pretrain"], labels, max_images)
+    kind = recipe.get("kind_images", 0)
+    if kind == 0:
+        return idx, len(PRETRAIN_CLASSES)
+    extra = balanced_head(splits["kind"], labels, None if kind is None else int(kind))
+    if max_images is not None:
+        extra = balanced_head(extra, labels, max_images)
+    return np.sort(np.concatenate([idx, extra])), len(PRETRAIN_CLASSES) + len(DOWNSTREAM_CLASSES)
+
+
+def train_supervised(recipe: dict[str, Any], split: dict[str, Any], seed: int,
                      max_images: int | None = None, log: Callable[[str], None] = print
                      ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Train the ViT with a 5-way head on the pretraining images; return the encoder's state
-    dict (head removed) and facts about the training."""
+    """Train the ViT with a linear head on a recipe's pretraining images; return the encoder's
+    state dict (head removed) and facts about the training."""
     import timm
 
-    torch.manual_seed(int(recipe["seed"]))
+    torch.manual_seed(int(seed))
     images, labels = digit_images(ARCHITECTURE["img_size"])
-    idx = balanced_head(digits_splits(labels, split_seed)["pretrain"], labels, max_images)
+    idx, classes = pretraining_images(recipe, split, max_images)
     preprocessing = ImagePreprocessing.from_backbone(_encoder_spec(), crop_pct=1.0)
     dataset = ArrayImageDataset(images, labels, _train_transform(preprocessing,
                                                                  bool(recipe["augment"])), idx)
     loader = torch.utils.data.DataLoader(
         dataset, batch_size=int(recipe["batch_size"]), shuffle=True,
-        generator=torch.Generator().manual_seed(int(recipe["seed"])))
-    model = timm.create_model(MODEL, pretrained=False, num_classes=len(PRETRAIN_CLASSES),
-                              **ARCHITECTURE)
+        generator=torch.Generator().manual_seed(int(seed)))
+    model = timm.create_model(MODEL, pretrained=False, num_classes=classes, **ARCHITECTURE)
     optimizer = torch.optim.AdamW(model.parameters(), lr=float(recipe["lr"]),
                                   weight_decay=float(recipe["weight_decay"]))
     total = int(recipe["epochs"]) * len(loader)
@@ -163,7 +194,7 @@ def train_supervised(recipe: dict[str, Any], split_seed: int = 0,
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()
              if not k.startswith("head.")}
     return state, {"seconds": round(time.perf_counter() - start, 2), "images": len(idx),
-                   "final_epoch_train_acc": round(correct / max(seen, 1), 4)}
+                   "classes": classes, "final_epoch_train_acc": round(correct / max(seen, 1), 4)}
 
 
 def _write_json(path: Path, content: dict[str, Any]) -> None:
@@ -173,57 +204,64 @@ def _write_json(path: Path, content: dict[str, Any]) -> None:
 
 
 @contextmanager
-def torch_threads(n: int | None) -> Iterator[None]:
-    """Run with ``n`` intra-op threads (None: unchanged), then restore the previous count."""
-    before = torch.get_num_threads()
-    if n:
-        torch.set_num_threads(int(n))
+def deterministic(threads: int | None) -> Iterator[None]:
+    """Run with ``n`` intra-op threads (None: unchanged) and torch's deterministic algorithms,
+    then restore both."""
+    before, strict = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    if threads:
+        torch.set_num_threads(int(threads))
+    torch.use_deterministic_algorithms(True)
     try:
         yield
     finally:
         torch.set_num_threads(before)
+        torch.use_deterministic_algorithms(strict)
 
 
-def pretrain(level: str, cache_dir: str | Path, split_seed: int = 0, force: bool = False,
-             recipe: dict[str, Any] | None = None, max_images: int | None = None,
-             threads: int | None = 1, log: Callable[[str], None] = print) -> Pretrained:
-    """Build ``level`` in ``cache_dir`` (or reuse it when cached and intact).
+def pretrain(level: str, cache_dir: str | Path, split: dict[str, Any] | None = None,
+             seed: int = 0, force: bool = False, recipe: dict[str, Any] | None = None,
+             max_images: int | None = None, threads: int | None = 1,
+             log: Callable[[str], None] = print) -> Pretrained:
+    """Build ``level`` with pretraining ``seed`` in ``cache_dir`` (or reuse it when cached and
+    intact).
 
+    split: the digits split ({split_seed, kind_fraction}; default: the dataset's defaults).
     recipe: replaces the level's recipe; max_images: pretraining and probe images per split
     (both for quick checks; both change the fingerprint, so they never shadow a real level).
     threads: torch threads while training; 1 by default because this model is so small that
     a second thread only adds synchronisation (a step is ~20× slower with 2 busy cores).
     """
-    with torch_threads(threads):
-        return _pretrain(level, cache_dir, split_seed, force, recipe, max_images, log)
+    with deterministic(threads):
+        return _pretrain(level, cache_dir, dict(DEFAULT_SPLIT if split is None else split),
+                         int(seed), force, recipe, max_images, log)
 
 
-def _pretrain(level: str, cache_dir: str | Path, split_seed: int, force: bool,
+def _pretrain(level: str, cache_dir: str | Path, split: dict[str, Any], seed: int, force: bool,
               recipe: dict[str, Any] | None, max_images: int | None,
               log: Callable[[str], None]) -> Pretrained:
-    settings = pretrain_settings(level, split_seed, recipe)
+    settings = pretrain_settings(level, split, seed, recipe)
     if max_images is not None:
         settings["max_images"] = int(max_images)
     weights, sidecar = checkpoint_paths(cache_dir, settings)
-    rebuild = build_command(level, cache_dir, split_seed)
+    rebuild = build_command(level, cache_dir, split, seed)
     if settings["recipe"] is None:  # random: nothing to train; the sidecar holds the probe
         if not force and (meta := read_sidecar(sidecar)) is not None:
-            return Pretrained(level, None, sidecar, meta, built=False)
-        torch.manual_seed(0)
+            return Pretrained(level, seed, None, sidecar, meta, built=False)
+        torch.manual_seed(seed)
         start = time.perf_counter()
-        probe = linear_probe(_encoder_spec().build(), split_seed, max_images)
-        meta = {"level": level, "settings": settings, "probe": probe,
+        probe = linear_probe(_encoder_spec().build(), split, max_images)
+        meta = {"level": level, "seed": seed, "settings": settings, "probe": probe,
                 "probe_s": round(time.perf_counter() - start, 2)}
         sidecar.parent.mkdir(parents=True, exist_ok=True)
         _write_json(sidecar, meta)
-        return Pretrained(level, None, sidecar, meta, built=True)
+        return Pretrained(level, seed, None, sidecar, meta, built=True)
     if not force and weights.is_file():
-        return Pretrained(level, weights, sidecar, verify_checkpoint(weights, sidecar, rebuild),
-                          built=False)
+        return Pretrained(level, seed, weights, sidecar,
+                          verify_checkpoint(weights, sidecar, rebuild), built=False)
     from safetensors.torch import save_file
 
-    log(f"pretraining digits ViT '{level}' → {weights}")
-    state, facts = train_supervised(settings["recipe"], split_seed, max_images, log)
+    log(f"pretraining digits ViT '{level}' (seed {seed}) → {weights}")
+    state, facts = train_supervised(settings["recipe"], split, seed, max_images, log)
     weights.parent.mkdir(parents=True, exist_ok=True)
     sidecar.unlink(missing_ok=True)  # weights without a sidecar are refused until it is written
     tmp = weights.with_name(weights.name + ".tmp")
@@ -232,13 +270,23 @@ def _pretrain(level: str, cache_dir: str | Path, split_seed: int, force: bool,
     loaded = TimmViT(f"digits_vit_{level}", MODEL, pretrained=True, checkpoint=str(weights),
                      model_kwargs=ARCHITECTURE).build()  # the path the runner takes
     start = time.perf_counter()
-    probe = linear_probe(loaded, split_seed, max_images)
-    meta = {"level": level, "settings": settings, "weights": weights.name,
+    probe = linear_probe(loaded, split, max_images)
+    meta = {"level": level, "seed": seed, "settings": settings, "weights": weights.name,
             "bytes": weights.stat().st_size, "sha256": sha256_file(weights),
             "pretrain": facts, "probe": probe,
             "probe_s": round(time.perf_counter() - start, 2)}
     _write_json(sidecar, meta)
-    return Pretrained(level, weights, sidecar, meta, built=True)
+    return Pretrained(level, seed, weights, sidecar, meta, built=True)
+
+
+def _build_one(job: tuple[str, int, str, dict[str, Any], bool, int | None]) -> Pretrained:
+    """One (level, seed) for :func:`main`, in this process or a worker."""
+    level, seed, cache_dir, split, force, threads = job
+    # a corrupt cached checkpoint: uqbench's one error line, no traceback (nothing is
+    # logged: without a handler the log line would print to stderr a second time)
+    with user_errors(catch=(ValueError,), logged=False):
+        return pretrain(level, cache_dir, split, seed, force=force, threads=threads,
+                        log=lambda line: print(f"[{level} s{seed}] {line.strip()}", flush=True))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -248,31 +296,41 @@ def main(argv: list[str] | None = None) -> None:
                     "or reuse them, and print each level's linear-probe accuracy.")
     parser.add_argument("levels", nargs="*", default=list(LEVELS),
                         help=f"levels to build (default: all): {', '.join(LEVELS)}")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                        help="pretraining seeds (default: 0 1 2, the benchmark's run seeds)")
     parser.add_argument("--cache-dir", default=os.environ.get("UQBENCH_CACHE", ".cache/uqbench"),
                         help="the runner's paths.cache_dir (default: $UQBENCH_CACHE or "
                              ".cache/uqbench)")
-    parser.add_argument("--split-seed", type=int, default=0,
+    parser.add_argument("--split-seed", type=int, default=DEFAULT_SPLIT["split_seed"],
                         help="digits split seed (the runner's dataset.split_seed)")
+    parser.add_argument("--kind-fraction", type=float, default=DEFAULT_SPLIT["kind_fraction"],
+                        help="share of the images 5–9 in the kind pool (dataset.kind_fraction)")
     parser.add_argument("--force", action="store_true", help="rebuild even when cached")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads while training (default 1: fastest for this model)")
+                        help="torch threads per pretraining (default 1: fastest for this model)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="pretrainings at a time, each in its own process (default 1)")
     args = parser.parse_args(argv)
     bad = [lv for lv in args.levels if lv not in LEVELS]
     if bad:
         parser.error(f"unknown level(s) {bad}; valid: {', '.join(LEVELS)}")
-    rows = []
-    for level in dict.fromkeys(args.levels):
-        # a corrupt cached checkpoint: uqbench's one error line, no traceback (nothing is
-        # logged: without a handler the log line would print to stderr a second time)
-        with user_errors(catch=(ValueError,), logged=False):
-            result = pretrain(level, args.cache_dir, args.split_seed, force=args.force,
-                              threads=args.threads)
-        meta = result.meta
-        rows.append((level, "built" if result.built else "cached",
-                     f"{meta['probe']['acc']:.3f}",
-                     f"{meta.get('pretrain', {}).get('seconds', 0.0):.1f}",
-                     str(result.weights or result.sidecar)))
-    header = ("level", "status", "probe acc", "pretrain s", "file")
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
+    split = {"split_seed": args.split_seed, "kind_fraction": args.kind_fraction}
+    jobs = [(level, seed, args.cache_dir, split, args.force, args.threads)
+            for level in dict.fromkeys(args.levels) for seed in dict.fromkeys(args.seeds)]
+    if args.jobs == 1:
+        results = [_build_one(job) for job in jobs]
+    else:
+        import multiprocessing
+
+        with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+            results = pool.map(_build_one, jobs, chunksize=1)
+    rows = [(r.level, str(r.seed), "built" if r.built else "cached",
+             f"{r.meta['probe']['acc']:.3f}",
+             f"{r.meta.get('pretrain', {}).get('seconds', 0.0):.1f}",
+             str(r.weights or r.sidecar)) for r in results]
+    header = ("level", "seed", "status", "val probe", "pretrain s", "file")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
