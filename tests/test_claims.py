@@ -329,3 +329,88 @@ def test_p2s_claims_fit_the_experiments_that_take_them():
     for exp in ("p2_width_sweep", "p2_claims"):
         table = _yaml(f"conf/experiment/{exp}.yaml")["table"]
         check_spec({k: v for k, v in table.items() if k in ("rows", "columns")} | claims)
+
+
+P1_METHODS = {  # per method: acc, ece, nll, auroc_mi, trainable parameters (job=params counts)
+    "single": (0.900, 0.060, 0.350, 0.800, 147650),
+    "mc_dropout_t4": (0.905, 0.050, 0.330, 0.820, 147650),
+    "deep_ensemble": (0.930, 0.030, 0.250, 0.900, 590600),
+    "lora_ensemble": (0.925, 0.035, 0.270, 0.880, 66056),
+    "sve": (0.935, 0.025, 0.255, 0.900, 11784),
+    "svf": (0.910, 0.050, 0.300, 0.850, 147650),
+}
+LEVELS = {"random": 0.41, "weak": 0.78, "strong": 0.93}  # level: probe accuracy
+
+
+def p1_runs() -> list[dict]:
+    """Runs shaped like experiment=p1_digits results: 3 levels × 6 methods × 3 seeds.
+
+    Every metric moves by at most ±0.002 between seeds, so a paired difference d_s lies
+    within 0.004 of the difference of the two methods' levels above; its mean does too, and
+    its sd is at most 0.577 · 0.008 (three points in a range of 0.008), so the 90 % interval
+    reaches at most 0.004 + 2.92 · 0.0046 / √3 ≈ 0.012 from that difference. Every gap to a
+    bound below is at least 0.015, so every verdict is known by hand. On the random backbone
+    SVE is 5 points less accurate than above, in every seed."""
+    runs = []
+    for level, probe in LEVELS.items():
+        for i, (method, (acc, ece, nll, auroc, n)) in enumerate(P1_METHODS.items()):
+            members = 1 if method in ("single", "svf") else 4
+            if level == "random" and method == "sve":
+                acc -= 0.05
+            for seed in range(3):
+                noise = 0.002 * math.sin(1 + 3 * i + 7 * seed)
+                runs.append({
+                    "experiment": "p1x", "seed": seed, "method": method,
+                    "settings": {"backbone": {"level": level, "probe_acc": probe},
+                                 "method": {"members": members}},
+                    "params": {"trainable": n},
+                    "metrics": {"test/acc": acc + noise, "test/ece": ece + noise,
+                                "test/nll": nll + noise, "test/brier": 0.1 + noise,
+                                "ood/auroc_mi": auroc + noise,
+                                "test_c/mean/acc": acc - 0.2 + noise}})
+    return runs
+
+
+def test_the_p1_spec_evaluates_every_claim_per_backbone_level(tmp_path):
+    claims = _yaml("conf/claims/p1.yaml")
+    table = _yaml("conf/experiment/p1_digits.yaml")["table"]
+    spec = ({k: table[k] for k in ("title", "rows", "columns")} | claims
+            | {"claims_by": "settings.backbone.level"})
+    check_spec(spec)
+    assert claims["confidence"] == 0.90
+    # each side names a method the benchmark runs, as its runs record it (the config option)
+    swept = _yaml("conf/experiment/p1_digits.yaml")["hydra"]["sweeper"]["params"]["method"]
+    named = {c[side]["method"] for c in claims["claims"] for side in ("a", "b")}
+    assert named <= set(swept.split(",")) and set(P1_METHODS) == set(swept.split(","))
+    shorts = [c["short"] for c in claims["claims"]]
+    assert len(set(shorts)) == len(shorts) == 10
+    kinds = {c["short"]: (c["kind"], c.get("better", "higher"), c.get("margin"))
+             for c in claims["claims"]}
+    assert kinds["ACC vs DE"] == ("not_worse", "higher", 0.01)
+    assert kinds["ECE vs LoRA-E"] == ("not_worse", "lower", 0.01)
+    assert kinds["OOD vs DE"] == ("not_worse", "higher", 0.02)
+    assert kinds["NLL vs DE"] == ("not_worse", "lower", 0.02)
+    assert kinds["NLL vs single"] == ("greater", "lower", None)
+
+    _write(tmp_path / "runs", p1_runs(), spec)
+    tables_main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "t"), "--quiet"])
+    grid = pd.read_csv(tmp_path / "t" / "p1x_claims.csv").set_index("level")
+    assert list(grid.index) == ["random", "strong", "weak"] and list(grid.columns) == shorts
+    marks = grid.map(lambda cell: cell.split()[0])
+    assert not (marks == C.MARKS[C.MISSING]).any().any()  # every claim measured
+    for level in ("strong", "weak"):  # SVE as the spec's claims say: all hold
+        assert (marks.loc[level] == C.MARKS[C.HOLDS]).all(), grid.loc[level]
+    # on the random backbone SVE is 4.5 points below DE and 4 below LoRA-Ensemble: each
+    # interval lies within 0.012 of that, wholly below −0.01; the other claims still hold
+    assert marks.loc["random", "ACC vs DE"] == marks.loc["random", "ACC vs LoRA-E"] == "✗"
+    assert (marks.loc["random"].drop(["ACC vs DE", "ACC vs LoRA-E"]) == "✓").all()
+    assert grid.loc["strong", "params vs LoRA-E"] == "✓ -82.2%"  # 11784 / 66056 − 1
+    assert grid.loc["strong", "params vs DE"] == "✓ -98.0%"  # 11784 / 590600 − 1
+    md = (tmp_path / "t" / "p1x_claims.md").read_text()
+    assert ("- **ECE vs DE**: SVE is at least as well calibrated as the Deep Ensemble. test "
+            "ECE, DE − SVE (SVE not worse by more than 1 point); margin: > -0.010") in md
+
+    # without claims_by, a side such as {method: sve} matches one run per level and seed
+    flat = {k: v for k, v in spec.items() if k != "claims_by"}
+    with pytest.raises(C.InvalidClaims, match="more than one run of seed"):
+        C.claims_table(p1_runs(), flat)
