@@ -1,21 +1,36 @@
 """The claims table: each paper claim, its measurement and verdict, from results files.
 
-The fixture writes results.json files by hand; every expected value below is computed by hand
-from the numbers in the fixture."""
+The fixtures write results.json files by hand. Every expected interval is computed here from
+its definition, mean ± t_{(1+c)/2, n−1} · sd/√n, with the t quantile from scipy.stats.t (and,
+for the first case, checked against the printed t table), never by the code under test."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
+from scipy import stats
 
 from uqbench.report import claims as C
 from uqbench.report.tables import main as tables_main
+from uqbench.report.validation import InvalidResults, check_spec
 
+ROOT = Path(__file__).resolve().parents[1]
 ROWS = [{"key": "settings.backbone.width", "title": "width"},
         {"key": "settings.method.variance", "title": "variance"}]
+
+
+def hand_interval(d: list[float], confidence: float = 0.90) -> tuple[float, float, float]:
+    """(mean, lo, hi) from the definition, written out."""
+    n = len(d)
+    mean = sum(d) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
+    half = stats.t.ppf((1 + confidence) / 2, n - 1) * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
 
 
 def claim(kind: str, key: str = "metrics.test/nll", a: dict | None = None,
@@ -33,67 +48,148 @@ def run(width: int, variance: str, seed: int, nll: float, variant: str | None = 
             "metrics": {"test/nll": nll, **metrics}}
 
 
-def test_greater_verdicts_and_values_by_hand():
-    base = [0.5, 0.6, 0.7]
-    cases = {  # learned − embedded per seed → verdict
-        C.HOLDS: [0.1, 0.2, 0.05],     # every seed agrees
-        C.UNCLEAR: [0.1, -0.05, 0.1],  # mean 0.05 > 0, one seed disagrees
-        C.FAILS: [-0.1, -0.2, 0.05],   # mean < 0
-    }
-    for verdict, diffs in cases.items():
-        runs = [run(4, "embedded", s, base[s]) for s in range(3)]
-        runs += [run(4, "learned", s, base[s] + diffs[s]) for s in range(3)]
-        res = C.evaluate(claim("greater"), runs, ROWS)
-        assert res["verdict"] == verdict, (verdict, res)
-        assert res["seeds"] == 3
-    # the value of the first case: mean 0.11667, sample std 0.07638 (by hand)
-    runs = [run(4, "embedded", s, base[s]) for s in range(3)]
-    runs += [run(4, "learned", s, base[s] + cases[C.HOLDS][s]) for s in range(3)]
-    res = C.evaluate(claim("greater"), runs, ROWS)
-    assert res["value"] == "0.117 ± 0.076"
-    assert res["mean"] == pytest.approx(0.116667, abs=1e-6)
-    assert res["std"] == pytest.approx(0.076376, abs=1e-6)
+def paired(diffs: list[float], width: int = 4) -> list[dict]:
+    """Runs whose test NLL, learned − embedded, is ``diffs[s]`` in seed s (embedded: 0.5 +
+    0.1·s, so its mean over three seeds is 0.6)."""
+    runs = [run(width, "embedded", s, 0.5 + 0.1 * s) for s in range(len(diffs))]
+    return runs + [run(width, "learned", s, 0.5 + 0.1 * s + d) for s, d in enumerate(diffs)]
+
+
+def verdict(spec_claim: dict, runs: list[dict]) -> str:
+    C.check_claims([spec_claim], ["width", "variance"])
+    return C.evaluate(spec_claim, runs, ROWS)["verdict"]
+
+
+def test_the_interval_is_the_student_t_interval_of_the_mean_paired_difference():
+    d = [0.1, 0.2, 0.05]
+    res = C.evaluate(claim("greater"), paired(d), ROWS)
+    mean, lo, hi = hand_interval(d)
+    # the printed t table: t_{0.95, 2} = 2.919986; the sample sd of d is 0.076376
+    assert lo == pytest.approx(0.116667 - 2.919986 * 0.076376 / math.sqrt(3), abs=1e-5)
+    assert (res["mean"], res["lo"], res["hi"]) == pytest.approx((mean, lo, hi), abs=1e-12)
+    assert res["seeds"] == 3 and res["value"] == "0.117" and res["interval"] == "[-0.012, 0.245]"
+    assert res["verdict"] == C.UNCLEAR  # every seed is > 0, yet the interval reaches below 0
+    wider = C.evaluate(claim("greater"), paired(d), ROWS, confidence=0.95)
+    assert (wider["lo"], wider["hi"]) == pytest.approx(hand_interval(d, 0.95)[1:], abs=1e-12)
 
 
 def test_seeds_pair_and_a_difference_of_keys():
     # seed 2 of the learned model is missing: only seeds 0 and 1 pair
     runs = [run(4, "embedded", s, 0.1, **{"ood/nll": 1.0 + s}) for s in range(3)]
-    runs += [run(4, "learned", s, 0.1, **{"ood/nll": 3.0 + s}) for s in range(2)]
+    runs += [run(4, "learned", s, 0.1, **{"ood/nll": 3.0 + s + 0.1 * s}) for s in range(2)]
     res = C.evaluate(claim("greater", key=["metrics.ood/nll", "metrics.test/nll"]), runs, ROWS)
-    assert res["seeds"] == 2 and res["mean"] == pytest.approx(2.0)  # (3+s−0.1) − (1+s−0.1)
+    assert res["seeds"] == 2  # d = (3 + 1.1 s − 0.1) − (1 + s − 0.1) = 2 + 0.1 s
+    assert (res["mean"], res["lo"], res["hi"]) == pytest.approx(hand_interval([2.0, 2.1]))
     assert res["verdict"] == C.HOLDS
 
 
-def test_alike_below_ratio_and_missing():
-    runs = [run(1024, "embedded", s, 1.0) for s in range(3)]
-    runs += [run(1024, "learned", s, 1.0 + d) for s, d in enumerate([0.01, -0.01, 0.02])]
-    at_1024 = {"a": {"width": 1024, "variance": "learned"},
-               "b": {"width": 1024, "variance": "embedded"}}
-    assert C.evaluate(claim("alike", **at_1024), runs, ROWS)["verdict"] == C.HOLDS  # mixed sign
-    far = [run(1024, "embedded", s, 1.0) for s in range(3)]
-    far += [run(1024, "learned", s, 1.0 + d) for s, d in enumerate([0.5, 0.6, 0.4])]
-    assert C.evaluate(claim("alike", **at_1024), far, ROWS)["verdict"] == C.FAILS  # 0.5 > 0.1
-    near = [run(1024, "embedded", s, 1.0) for s in range(3)]
-    near += [run(1024, "learned", s, 1.05) for s in range(3)]  # same sign, within 10 %
-    assert C.evaluate(claim("alike", **at_1024), near, ROWS)["verdict"] == C.HOLDS
+@pytest.mark.parametrize("diffs, margin, expected", [
+    ([0.10, 0.12, 0.11], None, C.HOLDS),        # [0.093, 0.127]: above 0
+    ([-0.10, -0.12, -0.11], None, C.FAILS),     # [−0.127, −0.093]: at most 0
+    ([0.05, -0.02, 0.08], None, C.UNCLEAR),     # [−0.050, 0.123]: straddles 0
+    ([0.10, 0.12, 0.11], 0.05, C.HOLDS),        # above the margin 0.05
+    ([0.10, 0.12, 0.11], 0.10, C.UNCLEAR),      # straddles 0.1
+    ([0.10, 0.12, 0.11], 0.20, C.FAILS),        # wholly below 0.2
+])
+def test_greater(diffs, margin, expected):
+    _, lo, hi = hand_interval(diffs)
+    m = margin or 0.0
+    assert expected == (C.HOLDS if lo > m else C.FAILS if hi <= m else C.UNCLEAR)
+    extra = {} if margin is None else {"margin": margin}
+    assert verdict(claim("greater", **extra), paired(diffs)) == expected
 
-    ratios = [run(4, "learned", s, 0.1, **{"test/noise_std_ratio": r})
-              for s, r in enumerate([0.8, 0.9, 0.85])]
-    below = claim("below", key="metrics.test/noise_std_ratio", than=1.0)
-    res = C.evaluate(below, ratios, ROWS)
-    assert res["verdict"] == C.HOLDS and res["value"] == "0.850 ± 0.050"
-    res = C.evaluate(claim("above", key="metrics.test/noise_std_ratio", than=1.0), ratios, ROWS)
-    assert res["verdict"] == C.FAILS
 
+@pytest.mark.parametrize("diffs, expected", [
+    ([0.005, -0.004, 0.001], C.HOLDS),     # d = −diffs: [−0.0069, 0.0083], above −0.02
+    ([0.05, 0.06, 0.07], C.FAILS),         # d: [−0.077, −0.043], at most −0.02
+    ([-0.015, 0.03, -0.01], C.UNCLEAR),    # d: [−0.040, 0.043], straddles −0.02
+])
+def test_not_worse_with_lower_is_better(diffs, expected):
+    # "learned's NLL is not worse than embedded's by more than 0.02": d = embedded − learned
+    c = claim("not_worse", better="lower", margin=0.02)
+    _, lo, hi = hand_interval([-x for x in diffs])
+    assert expected == (C.HOLDS if lo > -0.02 else C.FAILS if hi <= -0.02 else C.UNCLEAR)
+    res = C.evaluate(c, paired(diffs), ROWS)
+    assert res["verdict"] == expected and res["margin"] == "> -0.020"
+    assert (res["lo"], res["hi"]) == pytest.approx((lo, hi))
+
+
+def test_the_orientation_decides_not_worse():
+    worse = paired([0.05, 0.06, 0.07])  # learned's NLL 0.06 higher
+    assert verdict(claim("not_worse", better="lower", margin=0.02), worse) == C.FAILS
+    assert verdict(claim("not_worse", margin=0.02), worse) == C.HOLDS  # if higher were better
+
+
+def test_alike_with_seeds_of_both_signs_does_not_hold_when_the_interval_is_beyond_the_margin():
+    d = [1.0, 1.1, 0.9, 1.05, -0.01]  # one seed disagrees in sign
+    _, lo, _ = hand_interval(d)
+    assert lo == pytest.approx(0.3664, abs=1e-4) and lo >= 0.1
+    assert verdict(claim("alike", margin=0.1), paired(d)) == C.FAILS
+
+
+@pytest.mark.parametrize("diffs, extra, expected", [
+    ([0.15, -0.05, 0.12, 0.02], {"margin": 0.1}, C.UNCLEAR),  # [−0.048, 0.168]: mixed signs
+    ([-0.005, 0.004, -0.001], {"margin": 0.02}, C.HOLDS),     # [−0.0083, 0.0069]: inside
+    ([-0.15, -0.14, -0.16], {"margin": 0.1}, C.FAILS),        # [−0.167, −0.133]: below −0.1
+    ([0.02, 0.03, 0.025], {"relative_margin": 0.1}, C.HOLDS),   # inside ±0.06 (10 % of 0.6)
+    ([0.02, 0.03, 0.025], {"relative_margin": 0.02}, C.FAILS),  # [0.0166, 0.0334] ≥ 0.012
+])
+def test_alike(diffs, extra, expected):
+    m = extra.get("margin", 0.6 * extra.get("relative_margin", 0))
+    _, lo, hi = hand_interval(diffs)
+    assert expected == (C.HOLDS if -m < lo and hi < m else C.FAILS if lo >= m or hi <= -m
+                        else C.UNCLEAR)
+    res = C.evaluate(claim("alike", **extra), paired(diffs), ROWS)
+    assert res["verdict"] == expected
+    if "relative_margin" in extra:  # measured, and as the grid's key gives it
+        assert res["margin"] == f"inside ±{m:.3f} ({extra['relative_margin']:.0%} of |b|)"
+        assert C.bound_text(claim("alike", **extra)) == (
+            f"inside ±{extra['relative_margin']:.0%} of |b|")
+
+
+@pytest.mark.parametrize("values, below, above", [
+    ([0.8, 0.9, 0.85], C.HOLDS, C.FAILS),      # [0.766, 0.934]
+    ([0.95, 1.05, 1.0], C.UNCLEAR, C.UNCLEAR),  # [0.916, 1.084]
+    ([1.2, 1.3, 1.25], C.FAILS, C.HOLDS),      # [1.166, 1.334]
+])
+def test_below_and_above_a_number(values, below, above):
+    runs = [run(4, "learned", s, 0.1, **{"test/noise_std_ratio": v})
+            for s, v in enumerate(values)]
+    mean, lo, hi = hand_interval(values)
+    for kind, expected in (("below", below), ("above", above)):
+        c = claim(kind, key="metrics.test/noise_std_ratio", than=1.0)
+        del c["b"]
+        res = C.evaluate(c, runs, ROWS)
+        assert res["verdict"] == expected, kind
+        # the value's own mean and interval are shown
+        assert (res["mean"], res["lo"], res["hi"]) == pytest.approx((mean, lo, hi))
+        assert res["margin"] == ("< 1.000" if kind == "below" else "> 1.000")
+
+
+def test_one_seed_is_unclear_and_no_seed_is_not_measured():
+    for kind, extra in (("greater", {}), ("alike", {"margin": 10.0})):
+        res = C.evaluate(claim(kind, **extra), paired([0.3]), ROWS)
+        assert res["verdict"] == C.UNCLEAR and res["interval"] == C.ONE_SEED
+        assert res["seeds"] == 1 and res["value"] == "0.300"
+    nowhere = claim("greater", a={"width": 64, "variance": "learned"},
+                    b={"width": 64, "variance": "embedded"})
+    res = C.evaluate(nowhere, paired([0.3, 0.2]), ROWS)
+    assert res["verdict"] == C.MISSING and res["seeds"] == 0
+
+
+def test_ratio_of_counts():
     params = [run(4, v, 0, 0.1) for v in ("embedded", "learned")]  # 13 vs 18 parameters
     res = C.evaluate(claim("ratio", key="params.trainable", range=[0.32, 0.36]), params, ROWS)
     assert res["value"] == "+38.5%" and res["verdict"] == C.FAILS  # 18/13 − 1
     res = C.evaluate(claim("ratio", key="params.trainable", range=[0.30, 0.40]), params, ROWS)
-    assert res["verdict"] == C.HOLDS
+    assert res["verdict"] == C.HOLDS and res["interval"] == "–"
 
-    nowhere = claim("greater", a={"width": 64, "variance": "learned"},
-                    b={"width": 64, "variance": "embedded"})
-    assert C.evaluate(nowhere, runs, ROWS)["verdict"] == C.MISSING
+
+def test_a_side_that_several_runs_of_one_seed_match_is_refused():
+    runs = paired([0.1, 0.2]) + paired([0.3, 0.1], width=8)
+    loose = claim("greater", a={"variance": "learned"}, b={"variance": "embedded"})
+    with pytest.raises(C.InvalidClaims, match="more than one run of seed 0.*claims_by"):
+        C.evaluate(loose, runs, ROWS)
 
 
 @pytest.mark.parametrize("bad, words", [
@@ -104,11 +200,31 @@ def test_alike_below_ratio_and_missing():
     ([{"claim": "x", "kind": "below", "key": "k", "a": {"width": 4}}], "needs than"),
     ([{"claim": "x", "kind": "ratio", "key": "k", "a": {"width": 4}, "b": {"width": 4},
        "range": [0.4, 0.3]}], "range"),
+    ([claim("alike")], "table.claims[0] (alike) needs a margin"),
+    ([claim("not_worse", better="lower")], "table.claims[0] (not_worse) needs a margin"),
+    ([claim("alike", margin=0.0)], "margin 0.0 is not a number > 0"),
+    ([claim("greater", margin=-0.1)], "margin -0.1 is not a number >= 0"),
+    ([claim("alike", margin=0.1, relative_margin=0.1)], "both margin and relative_margin"),
+    ([claim("alike", tolerance=0.1)], "a tolerance relative to b is written relative_margin"),
+    ([claim("greater", short="ID"), claim("ratio", short="ID", range=[0, 1])],
+     "short titles ['ID'] name more than one claim"),
+    ([claim("greater", better="smaller")], "better 'smaller' is not one of ('higher', 'lower')"),
+    ([claim("below", than=1.0, margin=0.1)], "(below) does not read ['b', 'margin']"),
+    ([claim("greater", fmt="%d")], "fmt '%d' is not a number format"),
 ])
 def test_bad_claims_spec_is_named(bad, words):
-    with pytest.raises(C.InvalidClaims, match=None) as err:
+    with pytest.raises(C.InvalidClaims) as err:
         C.check_claims(bad, ["width", "variance"])
     assert words in str(err.value)
+
+
+@pytest.mark.parametrize("confidence", [1.5, 0, "high", True])
+def test_a_bad_confidence_is_refused_with_the_table(confidence):
+    spec = {"rows": ROWS, "columns": [{"key": "metrics.test/nll", "title": "NLL"}],
+            "claims": [claim("greater")], "confidence": confidence}
+    with pytest.raises(InvalidResults, match="table.confidence .* is not a number between 0 "
+                                             "and 1"):
+        check_spec(spec)
 
 
 def _write(root: Path, runs: list[dict], spec: dict) -> None:
@@ -118,6 +234,11 @@ def _write(root: Path, runs: list[dict], spec: dict) -> None:
         path.write_text(json.dumps(r | {"table": spec}))
 
 
+def _cells(md: str) -> set[tuple[str, ...]]:
+    return {tuple(c.strip() for c in line.strip("|").split("|"))
+            for line in md.splitlines() if line.startswith("|")}
+
+
 def test_uqbench_tables_writes_the_claims_table_and_the_grid(tmp_path, capsys):
     spec = {"title": "P2x", "rows": ROWS,
             "columns": [{"key": "metrics.test/nll", "title": "test NLL"}],
@@ -125,31 +246,47 @@ def test_uqbench_tables_writes_the_claims_table_and_the_grid(tmp_path, capsys):
                                            "short": "ID @4", "measure": "NLL diff"},
                        claim("ratio", key="params.trainable", range=[0.30, 0.40])
                        | {"claim": "about a third more parameters", "short": "params"}]}
-    runs = [run(4, "embedded", s, 0.5) for s in range(3)]
-    runs += [run(4, "learned", s, 0.5 + d) for s, d in enumerate([0.1, 0.2, 0.05])]
+    runs = paired([0.05, 0.15, 0.10])  # 0.100 [0.016, 0.184] (hand_interval)
     _write(tmp_path / "runs", runs, spec)
     tables_main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "t")])
     md = (tmp_path / "t" / "p2x_claims.md").read_text()
-    cells = {tuple(c.strip() for c in line.strip("|").split("|"))
-             for line in md.splitlines() if line.startswith("|")}
-    assert ("embedded fits better at width 4", "NLL diff", "0.117 ± 0.076", "3", "holds") in cells
-    assert ("about a third more parameters", "", "+38.5%", "3", "holds") in cells
+    cells = _cells(md)
+    assert ("claim", "measurement", "mean", "interval", "margin", "seeds", "verdict") in cells
+    assert ("embedded fits better at width 4", "NLL diff", "0.100", "[0.016, 0.184]", "> 0.000",
+            "3", "holds") in cells
+    assert ("about a third more parameters", "", "+38.5%", "–", "in [+30.0%, +40.0%]", "3",
+            "holds") in cells
+    assert "two-sided 90% Student-t confidence interval" in md
     frame = pd.read_csv(tmp_path / "t" / "p2x_claims.csv")
     assert list(frame["verdict"]) == ["holds", "holds"]
+    assert list(frame["interval"]) == ["[0.016, 0.184]", "–"]
     assert "embedded fits better at width 4" in capsys.readouterr().out  # printed too
 
-    # by setup: the second setup flips the first claim
+    # a spec's confidence: 0.99 widens the interval past 0 (t_{0.995, 2} = 9.925: ± 0.287)
+    _write(tmp_path / "runs99", runs, spec | {"confidence": 0.99})
+    tables_main(["--runs", str(tmp_path / "runs99"), "--out", str(tmp_path / "t99"), "--quiet"])
+    md = (tmp_path / "t99" / "p2x_claims.md").read_text()
+    _, lo, hi = hand_interval([0.05, 0.15, 0.10], 0.99)
+    assert ("embedded fits better at width 4", "NLL diff", "0.100", f"[{lo:.3f}, {hi:.3f}]",
+            "> 0.000", "3", "unclear") in _cells(md)
+    assert "two-sided 99% Student-t" in md
+
+    # by setup: the second setup flips the first claim; a third has one seed
     grid_spec = spec | {"rows": [{"key": "variant", "title": "setup"}, *ROWS],
                         "claims_by": "variant"}
-    flipped = [run(4, "embedded", s, 0.5, variant="other") for s in range(3)]
-    flipped += [run(4, "learned", s, 0.4, variant="other") for s in range(3)]
+    flipped = [r | {"variant": "other"} for r in paired([-0.1, -0.1, -0.1])]
+    single = [r | {"variant": "one"} for r in paired([0.2])]
     base = [r | {"variant": "default"} for r in runs]
-    _write(tmp_path / "runs2", base + flipped, grid_spec)
+    _write(tmp_path / "runs2", base + flipped + single, grid_spec)
     tables_main(["--runs", str(tmp_path / "runs2"), "--out", str(tmp_path / "t2"), "--quiet"])
     grid = pd.read_csv(tmp_path / "t2" / "p2x_claims.csv")
-    assert list(grid["variant"]) == ["default", "other"]
-    assert grid.loc[0, "ID @4"].startswith("✓ 0.117")
-    assert grid.loc[1, "ID @4"].startswith("✗ -0.100")
+    assert list(grid["variant"]) == ["default", "one", "other"]
+    assert list(grid["ID @4"]) == ["✓ 0.100 [0.016, 0.184]", "~ 0.200 (one seed)",
+                                   "✗ -0.100 [-0.100, -0.100]"]
+    md = (tmp_path / "t2" / "p2x_claims.md").read_text()
+    assert "Each cell: mean [90% interval]" in md
+    # the cells have no room for the claim and its margin: a key under the grid gives them
+    assert "- **ID @4**: embedded fits better at width 4. NLL diff; margin: > 0.000" in md
 
     # the spec drops its claims: the old claims file goes, it would pass for the new spec's
     no_claims = {k: v for k, v in spec.items() if k != "claims"}
@@ -165,3 +302,115 @@ def test_a_results_file_with_a_bad_claims_spec_is_skipped_with_a_warning(tmp_pat
     tables_main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "t"), "--quiet"])
     err = capsys.readouterr().err
     assert "skipping" in err and "not row titles" in err
+
+
+def test_claims_a_loose_side_cannot_evaluate_are_left_out_with_a_warning(tmp_path, capsys):
+    spec = {"rows": ROWS, "columns": [{"key": "metrics.test/nll", "title": "test NLL"}],
+            "claims": [claim("greater", a={"variance": "learned"}, b={"variance": "embedded"})]}
+    _write(tmp_path / "runs", paired([0.1, 0.2]) + paired([0.1, 0.2], width=8), spec)
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "p2x_claims.md").write_text("an older claims table")
+    tables_main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "t"), "--quiet"])
+    assert "p2x: no claims table" in capsys.readouterr().err
+    assert (tmp_path / "t" / "p2x.md").exists()
+    assert not (tmp_path / "t" / "p2x_claims.md").exists()
+
+
+# --- the packaged claims specs ------------------------------------------------------------------
+
+def _yaml(path: str) -> dict:
+    return yaml.safe_load((ROOT / path).read_text())
+
+
+def test_p2s_claims_fit_the_experiments_that_take_them():
+    claims = _yaml("conf/claims/p2.yaml")
+    alike = [c for c in claims["claims"] if c["kind"] == "alike"]
+    assert alike and all(c["relative_margin"] == 0.1 for c in alike)
+    for exp in ("p2_width_sweep", "p2_claims"):
+        table = _yaml(f"conf/experiment/{exp}.yaml")["table"]
+        check_spec({k: v for k, v in table.items() if k in ("rows", "columns")} | claims)
+
+
+P1_METHODS = {  # per method: acc, ece, nll, auroc_mi, trainable parameters (job=params counts)
+    "single": (0.900, 0.060, 0.350, 0.800, 147650),
+    "mc_dropout_t4": (0.905, 0.050, 0.330, 0.820, 147650),
+    "deep_ensemble": (0.930, 0.030, 0.250, 0.900, 590600),
+    "lora_ensemble": (0.925, 0.035, 0.270, 0.880, 66056),
+    "sve": (0.935, 0.025, 0.255, 0.900, 11784),
+    "svf": (0.910, 0.050, 0.300, 0.850, 147650),
+}
+LEVELS = {"random": 0.41, "weak": 0.78, "strong": 0.93}  # level: probe accuracy
+
+
+def p1_runs() -> list[dict]:
+    """Runs shaped like experiment=p1_digits results: 3 levels × 6 methods × 3 seeds.
+
+    Every metric moves by at most ±0.002 between seeds, so a paired difference d_s lies
+    within 0.004 of the difference of the two methods' levels above; its mean does too, and
+    its sd is at most 0.577 · 0.008 (three points in a range of 0.008), so the 90 % interval
+    reaches at most 0.004 + 2.92 · 0.0046 / √3 ≈ 0.012 from that difference. Every gap to a
+    bound below is at least 0.015, so every verdict is known by hand. On the random backbone
+    SVE is 5 points less accurate than above, in every seed."""
+    runs = []
+    for level, probe in LEVELS.items():
+        for i, (method, (acc, ece, nll, auroc, n)) in enumerate(P1_METHODS.items()):
+            members = 1 if method in ("single", "svf") else 4
+            if level == "random" and method == "sve":
+                acc -= 0.05
+            for seed in range(3):
+                noise = 0.002 * math.sin(1 + 3 * i + 7 * seed)
+                runs.append({
+                    "experiment": "p1x", "seed": seed, "method": method,
+                    "settings": {"backbone": {"level": level, "probe_acc": probe},
+                                 "method": {"members": members}},
+                    "params": {"trainable": n},
+                    "metrics": {"test/acc": acc + noise, "test/ece": ece + noise,
+                                "test/nll": nll + noise, "test/brier": 0.1 + noise,
+                                "ood/auroc_mi": auroc + noise,
+                                "test_c/mean/acc": acc - 0.2 + noise}})
+    return runs
+
+
+def test_the_p1_spec_evaluates_every_claim_per_backbone_level(tmp_path):
+    claims = _yaml("conf/claims/p1.yaml")
+    table = _yaml("conf/experiment/p1_digits.yaml")["table"]
+    spec = ({k: table[k] for k in ("title", "rows", "columns")} | claims
+            | {"claims_by": "settings.backbone.level"})
+    check_spec(spec)
+    assert claims["confidence"] == 0.90
+    # each side names a method the benchmark runs, as its runs record it (the config option)
+    swept = _yaml("conf/experiment/p1_digits.yaml")["hydra"]["sweeper"]["params"]["method"]
+    named = {c[side]["method"] for c in claims["claims"] for side in ("a", "b")}
+    assert named <= set(swept.split(",")) and set(P1_METHODS) == set(swept.split(","))
+    shorts = [c["short"] for c in claims["claims"]]
+    assert len(set(shorts)) == len(shorts) == 10
+    kinds = {c["short"]: (c["kind"], c.get("better", "higher"), c.get("margin"))
+             for c in claims["claims"]}
+    assert kinds["ACC vs DE"] == ("not_worse", "higher", 0.01)
+    assert kinds["ECE vs LoRA-E"] == ("not_worse", "lower", 0.01)
+    assert kinds["OOD vs DE"] == ("not_worse", "higher", 0.02)
+    assert kinds["NLL vs DE"] == ("not_worse", "lower", 0.02)
+    assert kinds["NLL vs single"] == ("greater", "lower", None)
+
+    _write(tmp_path / "runs", p1_runs(), spec)
+    tables_main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "t"), "--quiet"])
+    grid = pd.read_csv(tmp_path / "t" / "p1x_claims.csv").set_index("level")
+    assert list(grid.index) == ["random", "strong", "weak"] and list(grid.columns) == shorts
+    marks = grid.map(lambda cell: cell.split()[0])
+    assert not (marks == C.MARKS[C.MISSING]).any().any()  # every claim measured
+    for level in ("strong", "weak"):  # SVE as the spec's claims say: all hold
+        assert (marks.loc[level] == C.MARKS[C.HOLDS]).all(), grid.loc[level]
+    # on the random backbone SVE is 4.5 points below DE and 4 below LoRA-Ensemble: each
+    # interval lies within 0.012 of that, wholly below −0.01; the other claims still hold
+    assert marks.loc["random", "ACC vs DE"] == marks.loc["random", "ACC vs LoRA-E"] == "✗"
+    assert (marks.loc["random"].drop(["ACC vs DE", "ACC vs LoRA-E"]) == "✓").all()
+    assert grid.loc["strong", "params vs LoRA-E"] == "✓ -82.2%"  # 11784 / 66056 − 1
+    assert grid.loc["strong", "params vs DE"] == "✓ -98.0%"  # 11784 / 590600 − 1
+    md = (tmp_path / "t" / "p1x_claims.md").read_text()
+    assert ("- **ECE vs DE**: SVE is at least as well calibrated as the Deep Ensemble. test "
+            "ECE, DE − SVE (SVE not worse by more than 1 point); margin: > -0.010") in md
+
+    # without claims_by, a side such as {method: sve} matches one run per level and seed
+    flat = {k: v for k, v in spec.items() if k != "claims_by"}
+    with pytest.raises(C.InvalidClaims, match="more than one run of seed"):
+        C.claims_table(p1_runs(), flat)

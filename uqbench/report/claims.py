@@ -3,32 +3,59 @@
 An experiment's table spec may list ``claims``; each is one statement of the paper and the
 measurement that tests it, read from the same validated runs as the table::
 
+    confidence: 0.90                        # optional, for every claim of the spec
     claims:
-      - claim: "Width 4: embedded fits better than learned in distribution"
-        measure: "test NLL, learned − embedded"
-        kind: greater                       # greater | alike | below | above | ratio
-        key: metrics.test/nll               # or [key1, key2]: the value is key1 − key2
-        a: {width: 4, variance: learned}    # row titles → values, as in the table
-        b: {width: 4, variance: embedded}
+      - claim: "SVE is as accurate as the Deep Ensemble"
+        short: "ACC vs DE"                  # the grid's column title (optional)
+        measure: "test accuracy, SVE − DE"
+        kind: not_worse                     # greater | not_worse | alike | below | above | ratio
+        margin: 0.01                        # or relative_margin: 0.1 (of |mean of b|)
+        better: higher                      # higher (default) | lower: d = b − a
+        key: metrics.test/acc               # or [key1, key2]: the value is key1 − key2
+        a: {method: sve}                    # row titles → values, as in the table
+        b: {method: deep_ensemble}
 
-Kinds and verdicts (paired by seed: only seeds present in both a and b count):
+One rule for every kind but ``ratio``. Per claim, the runs are paired by their ``seed`` (only
+seeds present on both sides count) and each seed gives a difference d_s, oriented so that
+d > 0 agrees with the claim: d = a − b, or b − a with ``better: lower`` (NLL, ECE: a better
+than b means a lower). With n ≥ 2 seeds, the mean of d and its two-sided confidence interval
+[lo, hi] = mean ± t_{(1+c)/2, n−1} · sd/√n (Student t, sd with ddof = 1, c = ``confidence``,
+default 0.90) decide:
 
-- ``greater``: d = a − b per seed. **holds** when d > 0 in every seed, **does not hold** when
-  the mean of d is ≤ 0, **unclear** when the mean is > 0 but some seed disagrees (the effect is
-  within the seed spread).
-- ``alike``: d = a − b per seed. **holds** when the seeds disagree on the sign of d or
-  |mean d| ≤ ``tolerance`` · |mean b| (default 0.1); **does not hold** otherwise.
-- ``below`` / ``above``: a alone, against the number ``than`` (e.g. a predicted-to-true noise
-  ratio below 1). **holds** when every seed is on the claimed side, **does not hold** when the
-  mean is not, **unclear** otherwise.
-- ``ratio``: r = mean a / mean b − 1 (seeds need not pair). **holds** when r lies in
-  ``range: [lo, hi]``.
+- ``greater`` (a better than b by more than ``margin`` m ≥ 0, default 0): **holds** if lo > m,
+  **does not hold** if hi ≤ m, **unclear** otherwise (the interval straddles m).
+- ``not_worse`` (non-inferiority, m > 0 required): **holds** if lo > −m, **does not hold** if
+  hi ≤ −m, **unclear** otherwise.
+- ``alike`` (equivalence, m > 0 required): **holds** if the whole interval lies inside
+  (−m, m), **does not hold** if it lies wholly outside (lo ≥ m or hi ≤ −m), **unclear**
+  otherwise. Seeds that disagree in sign never make a claim hold by themselves: a difference
+  that is large in most seeds stays large.
+- ``below`` / ``above`` a number ``than``: the same interval on d_s = than − value (below) or
+  value − than (above), margin 0; the tables show the value's own mean and interval, which is
+  the same test (the interval shifted by ``than``).
+- ``ratio``: r = mean a / mean b − 1 **holds** when it lies in ``range: [lo, hi]``, else
+  **does not hold**. It is meant for quantities that a seed does not change (parameter counts):
+  every seed gives the same number, so there is no spread to put an interval on, and the seeds
+  need not pair.
 
-A claim whose runs are missing is **not measured**. ``claims_by: <dotted key>`` (e.g.
+One seed is **unclear** ("one seed: no interval"); no paired seed is **not measured**.
+
+Margins are stated in the spec, fixed before the runs, in the key's units (``margin``) or as a
+fraction of |mean of b| over the paired seeds (``relative_margin``, for a relative tolerance);
+``not_worse`` and ``alike`` need one of them, and a spec without is refused (InvalidClaims
+naming the entry), as is any field the claim's kind does not read.
+
+``<experiment>_claims.md``/``.csv``: per claim the measurement, mean, interval, margin (where
+the interval must lie to hold), seeds and verdict. ``claims_by: <dotted key>`` (e.g.
 ``variant``) repeats every claim within each value of that key, for a sweep over setups, and
-writes one grid: a row per setup, a column per claim.
+writes one grid instead: a row per setup, a column per claim, each cell the verdict's mark, the
+mean and the interval, with a key below giving each column's claim and margin. A side must pick
+one run per seed (within a setup): a selection that several runs of one seed match (a row it
+leaves open) is refused rather than averaged or picked from.
 
 Imports nothing of uqbench; the runs are dicts as ``uqbench.report.tables`` loads them.
+Longer than most modules: the rule, the check of the spec it reads and the tables that print
+it are one piece, changed together whenever a kind or a field is added.
 """
 
 from __future__ import annotations
@@ -39,11 +66,25 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from scipy import stats
 
-KINDS = ("greater", "alike", "below", "above", "ratio")
-ONE_SIDED = ("below", "above")
+KINDS = ("greater", "not_worse", "alike", "below", "above", "ratio")
+ONE_SIDED = ("below", "above")          # a against the number ``than``
+PAIRED = ("greater", "not_worse", "alike")  # a against b, seed by seed
+NEEDS_MARGIN = ("not_worse", "alike")
+CONFIDENCE = 0.90
+BETTER = ("higher", "lower")
 HOLDS, FAILS, UNCLEAR, MISSING = "holds", "does not hold", "unclear", "not measured"
 MARKS = {HOLDS: "✓", FAILS: "✗", UNCLEAR: "~", MISSING: "–"}
+ONE_SEED = "one seed: no interval"
+
+# the fields each kind reads; any other field is a typo or a leftover of an older rule
+_COMMON = {"claim", "short", "measure", "kind", "key", "a", "fmt"}
+FIELDS = {"greater": _COMMON | {"b", "better", "margin", "relative_margin"},
+          "not_worse": _COMMON | {"b", "better", "margin", "relative_margin"},
+          "alike": _COMMON | {"b", "better", "margin", "relative_margin"},
+          "below": _COMMON | {"than"}, "above": _COMMON | {"than"},
+          "ratio": _COMMON | {"b", "range"}}
 
 Run = dict[str, Any]
 
@@ -62,21 +103,42 @@ def get_path(obj: dict[str, Any], dotted: str) -> Any:
     return cur
 
 
-def check_claims(claims: Any, row_titles: list[str]) -> None:
-    """The claims spec has the shape :func:`evaluate` reads (InvalidClaims if not)."""
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_confidence(confidence: Any) -> float:
+    """The spec's ``confidence`` as a float in (0, 1), or InvalidClaims."""
+    if not _is_number(confidence) or not 0 < confidence < 1:
+        raise InvalidClaims(f"table.confidence {confidence!r} is not a number between 0 and 1 "
+                            f"(e.g. {CONFIDENCE}, the default)")
+    return float(confidence)
+
+
+def check_claims(claims: Any, row_titles: list[str], confidence: Any = CONFIDENCE) -> None:
+    """The claims spec (and its ``confidence``) has the shape :func:`evaluate` reads
+    (InvalidClaims naming the entry if not)."""
+    check_confidence(confidence)
     if not isinstance(claims, list):
         raise InvalidClaims("table.claims is not a list")
     for i, c in enumerate(claims):
         where = f"table.claims[{i}]"
         if not isinstance(c, dict) or not isinstance(c.get("claim"), str):
             raise InvalidClaims(f"{where} has no 'claim' text")
-        if c.get("kind") not in KINDS:
-            raise InvalidClaims(f"{where} kind {c.get('kind')!r} is not one of {KINDS}")
+        kind = c.get("kind")
+        if kind not in KINDS:
+            raise InvalidClaims(f"{where} kind {kind!r} is not one of {KINDS}")
+        extra = sorted(set(c) - FIELDS[kind])
+        if extra:
+            hint = (" (a tolerance relative to b is written relative_margin)"
+                    if "tolerance" in extra else "")
+            raise InvalidClaims(f"{where} ({kind}) does not read {extra}{hint}; its fields: "
+                                f"{sorted(FIELDS[kind])}")
         key = c.get("key")
         keys = key if isinstance(key, list) else [key]
         if not (1 <= len(keys) <= 2 and all(isinstance(k, str) for k in keys)):
             raise InvalidClaims(f"{where} key must be a dotted key or a list of two")
-        for side in ("a",) if c["kind"] in ONE_SIDED else ("a", "b"):
+        for side in ("a",) if kind in ONE_SIDED else ("a", "b"):
             sel = c.get(side)
             if not isinstance(sel, dict) or not sel:
                 raise InvalidClaims(f"{where} needs '{side}': {{row title: value}}")
@@ -84,13 +146,47 @@ def check_claims(claims: Any, row_titles: list[str]) -> None:
             if unknown:
                 raise InvalidClaims(f"{where} {side} names {unknown}, which are not row titles "
                                     f"of the table; valid: {row_titles}")
-        if c["kind"] in ONE_SIDED and not isinstance(c.get("than"), (int, float)):
-            raise InvalidClaims(f"{where} ({c['kind']}) needs than: <number>")
-        if c["kind"] == "ratio":
+        for field in ("claim", "short", "measure"):
+            if field in c and not isinstance(c[field], str):
+                raise InvalidClaims(f"{where} {field} {c[field]!r} is not text")
+        try:
+            format(1.0, c.get("fmt", ".3f"))
+        except (TypeError, ValueError) as err:
+            raise InvalidClaims(f"{where} fmt {c.get('fmt')!r} is not a number format "
+                                f"(e.g. '.3f')") from err
+        if kind in ONE_SIDED and not _is_number(c.get("than")):
+            raise InvalidClaims(f"{where} ({kind}) needs than: <number>")
+        if kind == "ratio":
             rng = c.get("range")
             if not (isinstance(rng, list) and len(rng) == 2
-                    and all(isinstance(v, (int, float)) for v in rng) and rng[0] <= rng[1]):
+                    and all(_is_number(v) for v in rng) and rng[0] <= rng[1]):
                 raise InvalidClaims(f"{where} (ratio) needs range: [lo, hi] with lo <= hi")
+        if kind in PAIRED:
+            _check_margin(c, where)
+    shorts = [c.get("short", f"claim {i}") for i, c in enumerate(claims, 1)]
+    twice = sorted({t for t in shorts if shorts.count(t) > 1})
+    if twice:
+        raise InvalidClaims(f"table.claims: short titles {twice} name more than one claim (the "
+                            f"grid's columns)")
+
+
+def _check_margin(c: dict, where: str) -> None:
+    if c.get("better", "higher") not in BETTER:
+        raise InvalidClaims(f"{where} better {c['better']!r} is not one of {BETTER}")
+    given = [f for f in ("margin", "relative_margin") if f in c]
+    if len(given) == 2:
+        raise InvalidClaims(f"{where} has both margin and relative_margin; give one")
+    if not given:
+        if c["kind"] in NEEDS_MARGIN:
+            raise InvalidClaims(f"{where} ({c['kind']}) needs a margin fixed before the runs: "
+                                f"margin: <number in the key's units> or relative_margin: "
+                                f"<fraction of |mean of b|>")
+        return
+    value = c[given[0]]
+    positive = c["kind"] in NEEDS_MARGIN
+    if not _is_number(value) or value < 0 or (positive and value == 0):
+        raise InvalidClaims(f"{where} {given[0]} {value!r} is not a number "
+                            f"{'> 0' if positive else '>= 0'}")
 
 
 def _value(run: Run, key: str | list[str]) -> float | None:
@@ -102,82 +198,169 @@ def _value(run: Run, key: str | list[str]) -> float | None:
     return float(values[0] - values[1]) if len(values) == 2 else float(values[0])
 
 
-def _per_seed(runs: list[Run], rows: list[dict], sel: dict, key: Any) -> dict[int, float]:
-    """{seed: value} of the runs whose row values match ``sel`` (matched as strings)."""
+def _per_seed(claim: dict, side: str, runs: list[Run], rows: list[dict]) -> dict[int, float]:
+    """{seed: value} of the runs whose row values match the claim's ``side`` (matched as
+    strings); InvalidClaims when two runs of one seed match (the selection leaves a row open)."""
     by_title = {r["title"]: r["key"] for r in rows}
+    sel = claim[side]
     out: dict[int, float] = {}
     for run in runs:
         if all(str(get_path(run, by_title[t])) == str(v) for t, v in sel.items()):
-            value = _value(run, key)
-            if value is not None:
-                out.setdefault(int(run["seed"]), value)
+            value = _value(run, claim["key"])
+            if value is None:
+                continue
+            if int(run["seed"]) in out:
+                raise InvalidClaims(
+                    f"claim {claim['claim']!r}: {side} {sel} matches more than one run of seed "
+                    f"{run['seed']}; name the row that tells them apart, or set claims_by")
+            out[int(run["seed"])] = value
     return out
 
 
-def evaluate(claim: dict, runs: list[Run], rows: list[dict]) -> dict[str, Any]:
-    """One claim on one set of runs: {claim, measure, value (text), mean, std, seeds,
-    verdict}."""
-    fmt = claim.get("fmt", ".3f")
-    a = _per_seed(runs, rows, claim["a"], claim["key"])
-    if claim["kind"] in ONE_SIDED:  # a against a number: b is that number in every seed
-        b = dict.fromkeys(a, float(claim["than"]))
-        if claim["kind"] == "below":
-            a, b = b, a  # below: than − a > 0
-    else:
-        b = _per_seed(runs, rows, claim["b"], claim["key"])
-    out = {"claim": claim["claim"], "measure": claim.get("measure", ""), "value": "–",
-           "mean": math.nan, "std": math.nan, "seeds": 0, "verdict": MISSING}
-    if claim["kind"] == "ratio":
+def mean_interval(d: np.ndarray, confidence: float) -> tuple[float, float, float]:
+    """(mean, lo, hi): the two-sided Student-t confidence interval of the mean of d (n ≥ 2)."""
+    n = len(d)
+    mean = float(d.mean())
+    half = float(stats.t.ppf((1 + confidence) / 2, n - 1) * d.std(ddof=1) / math.sqrt(n))
+    return mean, mean - half, mean + half
+
+
+def _one_bound(lo: float, hi: float, bound: float) -> str:
+    return HOLDS if lo > bound else FAILS if hi <= bound else UNCLEAR
+
+
+def evaluate(claim: dict, runs: list[Run], rows: list[dict],
+             confidence: float = CONFIDENCE) -> dict[str, Any]:
+    """One claim on one set of runs: {claim, measure, mean, lo, hi, seeds, verdict} and their
+    texts (value, interval, margin), as the module docstring's rule decides."""
+    fmt, kind = claim.get("fmt", ".3f"), claim["kind"]
+    out: dict[str, Any] = {"claim": claim["claim"], "measure": claim.get("measure", ""),
+                           "mean": math.nan, "lo": math.nan, "hi": math.nan, "seeds": 0,
+                           "value": "–", "interval": "–", "margin": bound_text(claim),
+                           "verdict": MISSING}
+    a = _per_seed(claim, "a", runs, rows)
+    if kind == "ratio":
+        b = _per_seed(claim, "b", runs, rows)
         if a and b:
             r = float(np.mean(list(a.values())) / np.mean(list(b.values())) - 1)
             lo, hi = claim["range"]
             out |= {"value": f"{r:+.1%}", "mean": r, "seeds": min(len(a), len(b)),
                     "verdict": HOLDS if lo <= r <= hi else FAILS}
         return out
-    seeds = sorted(set(a) & set(b))
+    if kind in ONE_SIDED:
+        seeds = sorted(a)
+        shown = np.array([a[s] for s in seeds])  # the value itself; d = ±(value − than)
+    else:
+        b = _per_seed(claim, "b", runs, rows)
+        seeds = sorted(set(a) & set(b))
+        sign = -1.0 if claim.get("better", "higher") == "lower" else 1.0
+        shown = np.array([sign * (a[s] - b[s]) for s in seeds])  # d > 0 agrees with the claim
+        m = float(claim.get("margin", 0.0))
+        if "relative_margin" in claim and seeds:
+            m = claim["relative_margin"] * abs(float(np.mean([b[s] for s in seeds])))
+            out["margin"] = bound_text(claim, m)
     if not seeds:
         return out
-    d = np.array([a[s] - b[s] for s in seeds])  # > 0 where the seed agrees with the claim
-    # what the table shows: the difference, or for a one-sided claim the value itself
-    shown = (np.array([(b if claim["kind"] == "below" else a)[s] for s in seeds])
-             if claim["kind"] in ONE_SIDED else d)
-    mean, std = float(shown.mean()), float(shown.std(ddof=1)) if len(d) > 1 else math.nan
-    text = format(mean, fmt) + (f" ± {format(std, fmt)}" if len(d) > 1 else "")
-    if claim["kind"] in ("greater", *ONE_SIDED):
-        verdict = HOLDS if (d > 0).all() else FAILS if d.mean() <= 0 else UNCLEAR
-    else:  # alike
-        scale = abs(float(np.mean([b[s] for s in seeds])))
-        mixed = (d > 0).any() and (d < 0).any()
-        verdict = (HOLDS if mixed or abs(d.mean()) <= claim.get("tolerance", 0.1) * scale
-                   else FAILS)
-    return out | {"value": text, "mean": mean, "std": std, "seeds": len(seeds),
-                  "verdict": verdict}
+    out |= {"seeds": len(seeds), "mean": float(shown.mean()), "value": format(shown.mean(), fmt)}
+    if len(seeds) == 1:
+        return out | {"interval": ONE_SEED, "verdict": UNCLEAR}
+    mean, lo, hi = mean_interval(shown, confidence)
+    if kind == "above":
+        verdict = _one_bound(lo, hi, float(claim["than"]))
+    elif kind == "below":  # than − value > 0: the interval of −value against −than
+        verdict = _one_bound(-hi, -lo, -float(claim["than"]))
+    elif kind == "greater":
+        verdict = _one_bound(lo, hi, m)
+    elif kind == "not_worse":
+        verdict = _one_bound(lo, hi, -m)
+    else:  # alike: inside (−m, m) holds, wholly outside does not, straddling a bound is unclear
+        verdict = (HOLDS if -m < lo and hi < m else FAILS if lo >= m or hi <= -m
+                   else UNCLEAR)
+    return out | {"lo": lo, "hi": hi, "verdict": verdict,
+                  "interval": f"[{format(lo, fmt)}, {format(hi, fmt)}]"}
+
+
+def bound_text(claim: dict, m: float | None = None) -> str:
+    """Where the interval must lie for the claim to hold, e.g. "> -0.010" or "inside ±0.050
+    (10% of |b|)"; a relative margin before it is measured (``m`` None): "inside ±10% of |b|"."""
+    kind, fmt = claim["kind"], claim.get("fmt", ".3f")
+    if kind == "ratio":
+        return f"in [{claim['range'][0]:+.1%}, {claim['range'][1]:+.1%}]"
+    if kind in ONE_SIDED:
+        return f"{'<' if kind == 'below' else '>'} {format(float(claim['than']), fmt)}"
+    relative = claim.get("relative_margin")
+    if m is not None:
+        number = format(m, fmt) + (f" ({relative:.0%} of |b|)" if relative is not None else "")
+    else:
+        number = (f"{relative:.0%} of |b|" if relative is not None
+                  else format(float(claim.get("margin", 0.0)), fmt))
+    return {"greater": f"> {number}", "not_worse": f"> -{number}",
+            "alike": f"inside ±{number}"}[kind]
+
+
+def spec_confidence(spec: dict[str, Any]) -> float:
+    return check_confidence(spec.get("confidence", CONFIDENCE))
 
 
 def claims_table(runs: list[Run], spec: dict[str, Any]) -> pd.DataFrame:
-    """One row per claim: claim, measurement, value (mean ± std over seeds), seeds, verdict."""
-    check_claims(spec["claims"], [r["title"] for r in spec["rows"]])
-    results = [evaluate(c, runs, spec["rows"]) for c in spec["claims"]]
+    """One row per claim: claim, measurement, mean, interval, margin, seeds, verdict."""
+    confidence = spec_confidence(spec)
+    check_claims(spec["claims"], [r["title"] for r in spec["rows"]], confidence)
+    results = [evaluate(c, runs, spec["rows"], confidence) for c in spec["claims"]]
     return pd.DataFrame([{"claim": r["claim"], "measurement": r["measure"],
-                          "value": r["value"], "seeds": r["seeds"], "verdict": r["verdict"]}
+                          "mean": r["value"], "interval": r["interval"],
+                          "margin": r["margin"], "seeds": r["seeds"], "verdict": r["verdict"]}
                          for r in results])
+
+
+def _cell(res: dict[str, Any]) -> str:
+    """A grid cell: the verdict's mark, the mean and the interval."""
+    if res["verdict"] == MISSING:
+        return MARKS[MISSING]
+    if res["interval"] == ONE_SEED:
+        return f"{MARKS[UNCLEAR]} {res['value']} (one seed)"
+    tail = "" if res["interval"] == "–" else f" {res['interval']}"
+    return f"{MARKS[res['verdict']]} {res['value']}{tail}"
+
+
+def _short(claim: dict, i: int) -> str:
+    return claim.get("short", f"claim {i}")
 
 
 def claims_grid(runs: list[Run], spec: dict[str, Any]) -> pd.DataFrame:
     """``claims_by``: a row per setup, a column per claim (its ``short`` title, else its
-    number); each cell the verdict's mark and the value."""
-    check_claims(spec["claims"], [r["title"] for r in spec["rows"]])
+    number); each cell the verdict's mark, the mean and the interval."""
+    confidence = spec_confidence(spec)
+    check_claims(spec["claims"], [r["title"] for r in spec["rows"]], confidence)
     by = spec["claims_by"]
-    setups = sorted({str(get_path(r, by)) for r in runs})
     table = []
-    for setup in setups:
+    for setup in sorted({str(get_path(r, by)) for r in runs}):
         sub = [r for r in runs if str(get_path(r, by)) == setup]
-        row = {by.split(".")[-1]: setup}
-        for i, claim in enumerate(spec["claims"], 1):
-            res = evaluate(claim, sub, spec["rows"])
-            row[claim.get("short", f"claim {i}")] = f"{MARKS[res['verdict']]} {res['value']}"
-        table.append(row)
+        table.append({by.split(".")[-1]: setup}
+                     | {_short(c, i): _cell(evaluate(c, sub, spec["rows"], confidence))
+                        for i, c in enumerate(spec["claims"], 1)})
     return pd.DataFrame(table)
+
+
+def legend(spec: dict[str, Any]) -> str:
+    """The rule in a few sentences, below the claims table; below the grid also the marks and
+    each column's claim, measurement and margin (the cells have no room for them)."""
+    c = spec_confidence(spec)
+    rule = (f"Paired by seed; d > 0 agrees with the claim. mean: the mean of d (below/above: "
+            f"of the value); interval: its two-sided {c:.0%} Student-t confidence interval, "
+            f"mean ± t·sd/√n. holds: the whole interval lies beyond the margin (greater: above "
+            f"it, 0 unless stated; not_worse: above −margin; alike: inside ±margin; "
+            f"below/above: beyond the number); does not hold: it lies wholly on the other side "
+            f"(alike: wholly outside ±margin); unclear: it straddles the bound, or one seed (no "
+            f"interval); not measured: no paired seed. Margins are the spec's, in the "
+            f"measurement's units or a stated fraction of |mean b|. ratio: mean a / mean b − 1 "
+            f"of a count the seed does not change (no interval), holds inside its range.")
+    if not spec.get("claims_by"):
+        return rule
+    key = "".join(f"\n- **{_short(cl, i)}**: {cl['claim']}. {cl.get('measure', '')}; margin: "
+                  f"{bound_text(cl)}" for i, cl in enumerate(spec["claims"], 1))
+    return (f"{MARKS[HOLDS]} holds · {MARKS[UNCLEAR]} unclear · {MARKS[FAILS]} does not hold · "
+            f"{MARKS[MISSING]} not measured. Each cell: mean [{c:.0%} interval]. {rule}\n{key}")
 
 
 def write_claims(runs: list[Run], spec: dict[str, Any], out_dir: Path | str,
@@ -185,21 +368,9 @@ def write_claims(runs: list[Run], spec: dict[str, Any], out_dir: Path | str,
     """Write ``<exp>_claims.md``/``.csv`` (and with ``claims_by`` the grid); the paths."""
     out_dir = Path(out_dir)
     title = f"{spec.get('title', exp)}: claims"
-    if spec.get("claims_by"):
-        frame = claims_grid(runs, spec)
-        legend = ("✓ holds in every seed · ~ unclear (seeds disagree) · ✗ does not hold · "
-                  "– not measured; each cell: the verdict and the measurement, mean ± std "
-                  "over seeds.")
-    else:
-        frame = claims_table(runs, spec)
-        legend = ("Paired by seed. holds: the claimed sign in every seed (greater, below, "
-                  "above), no resolved difference (alike: the seeds disagree in sign or the "
-                  "mean gap is within the tolerance), or inside the stated range (ratio); "
-                  "unclear: the mean has the claimed sign but a seed disagrees; does not "
-                  "hold: the mean does not have the claimed sign, or the value is out of "
-                  "range.")
+    frame = claims_grid(runs, spec) if spec.get("claims_by") else claims_table(runs, spec)
     md = (f"## {title}\n\n" + frame.to_markdown(index=False, disable_numparse=True)
-          + f"\n\n{legend}\n")
+          + f"\n\n{legend(spec)}\n")
     paths = [out_dir / f"{exp}_claims.md", out_dir / f"{exp}_claims.csv"]
     paths[0].write_text(md)
     frame.to_csv(paths[1], index=False)

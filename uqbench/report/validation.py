@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from uqbench.report.claims import InvalidClaims, check_claims, get_path
+from uqbench.report.claims import CONFIDENCE, InvalidClaims, check_claims, get_path
 
 Run = dict[str, Any]
 MISSING = "–"  # a cell, a row key or a paper value that has no number
@@ -106,7 +106,8 @@ def check_spec(spec: Any) -> None:
         figure_keys(figure)
     if spec.get("claims") is not None:
         try:
-            check_claims(spec["claims"], [r["title"] for r in spec["rows"]])
+            check_claims(spec["claims"], [r["title"] for r in spec["rows"]],
+                         spec.get("confidence", CONFIDENCE))
         except InvalidClaims as err:
             raise InvalidResults(str(err)) from err
 
