@@ -60,6 +60,7 @@ from uqbench.report.claims import InvalidClaims, write_claims
 from uqbench.report.figures import summary_figure
 from uqbench.report.latex import to_latex
 from uqbench.report.layout import layout
+from uqbench.report.levels import write_levels
 from uqbench.report.validation import Run, figure_specs, load_results, table_runs
 
 # --- writing -----------------------------------------------------------------------------------
@@ -154,7 +155,9 @@ def _write_files(exp: str, spec: dict[str, Any], runs: list[Run], shown: pd.Data
     if not claims:  # a claims file left from an older spec would pass for this one's
         for stale in out_dir.glob(f"{exp}_claims.*"):
             stale.unlink()
-    return files + claims
+    levels = ([p.name for p in write_levels(runs, spec, out_dir, exp)] if spec.get("levels")
+              else [])
+    return files + claims + levels
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from uqbench.report.claims import CONFIDENCE, InvalidClaims, check_claims, get_path
+from uqbench.report.levels import InvalidLevels, check_levels
 
 Run = dict[str, Any]
 MISSING = "–"  # a cell, a row key or a paper value that has no number
@@ -109,6 +110,11 @@ def check_spec(spec: Any) -> None:
             check_claims(spec["claims"], [r["title"] for r in spec["rows"]],
                          spec.get("confidence", CONFIDENCE))
         except InvalidClaims as err:
+            raise InvalidResults(str(err)) from err
+    if spec.get("levels") is not None:
+        try:
+            check_levels(spec["levels"])
+        except InvalidLevels as err:
             raise InvalidResults(str(err)) from err
 
 
