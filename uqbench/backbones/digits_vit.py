@@ -11,7 +11,7 @@ recorded per pretraining seed in each checkpoint's sidecar and in every run's re
 
 - ``random``: timm's random initialisation under the pretraining seed; no checkpoint.
 - ``other``: supervised on the 600 pretraining images of the *other* digits 0–4 (never a 5–9),
-  40 epochs with random affine augmentation.
+  60 epochs with random affine augmentation.
 - ``near``: the same recipe on those 600 images plus 25 of the kind pool (5 images of each
   downstream digit 5–9 that no downstream split holds), ten-way: it has glimpsed the task's kind.
 - ``foundation``: the same recipe plus the whole kind pool (224 images of 5–9), as a foundation
@@ -53,11 +53,11 @@ ARCHITECTURE: dict[str, Any] = {"img_size": 32, "patch_size": 8, "embed_dim": 64
 Level = Literal["random", "other", "near", "foundation"]
 RECIPES: dict[str, dict[str, Any] | None] = {
     "random": None,
-    "other": {"kind_images": 0, "epochs": 40, "lr": 3e-3, "weight_decay": 0.3,
+    "other": {"kind_images": 0, "epochs": 60, "lr": 3e-3, "weight_decay": 0.3,
               "batch_size": 32, "augment": True},
-    "near": {"kind_images": 25, "epochs": 40, "lr": 3e-3, "weight_decay": 0.3,
+    "near": {"kind_images": 25, "epochs": 60, "lr": 3e-3, "weight_decay": 0.3,
              "batch_size": 32, "augment": True},
-    "foundation": {"kind_images": None, "epochs": 40, "lr": 3e-3, "weight_decay": 0.3,
+    "foundation": {"kind_images": None, "epochs": 60, "lr": 3e-3, "weight_decay": 0.3,
                    "batch_size": 32, "augment": True},
 }
 LEVELS: tuple[str, ...] = get_args(Level)
