@@ -5,7 +5,8 @@ ensemble whose member logits are (a, 0): p_m(class 0) = σ(a_m), so that
 
     mean_probs:  p̄₀ = (1/M) Σ_m σ(a_m / T)        mean_logits: p̄₀ = σ(ā / T), ā = (1/M) Σ_m a_m
 
-(T = 1 untempered); the end-to-end run checks that results.json records the choice."""
+(T = 1 untempered); the end-to-end run checks that results.json records the choice, and
+experiment=p1_digits_conventions that it runs P1's conventions on p1_digits's recipe."""
 
 from __future__ import annotations
 
@@ -131,6 +132,29 @@ def test_the_two_aggregations_rank_ood_examples_differently():
     auroc = {a: ClassificationTask(aggregation=a).ood_metrics(
         "ood", predictions(ID), predictions(OOD))["ood/auroc_msp"] for a in AGGREGATIONS}
     assert auroc == {"mean_probs": pytest.approx(5 / 6), "mean_logits": pytest.approx(1.0)}
+
+
+@pytest.mark.parametrize("aggregation,metric,variant", [
+    ("mean_probs", "nll", "ours"), ("mean_logits", "nll", "mean_logits"),
+    ("mean_probs", "acc", "select_acc"), ("mean_logits", "acc", "p1_code")])
+def test_the_conventions_experiment_labels_each_setting_and_keeps_p1_digits(
+        compose_cfg, aggregation, metric, variant):
+    """experiment=p1_digits_conventions: each of its sweep's settings is its variant, and a
+    run reads the same recipe as experiment=p1_digits (the same job with the same seed)."""
+    overrides = ["backbone=digits_vit_weak", "method=lora_ensemble", "seed=2"]
+    ours = compose_cfg(["experiment=p1_digits_conventions", *overrides,
+                        f"task.aggregation={aggregation}", f"trainer.select_metric={metric}"])
+    theirs = compose_cfg(["experiment=p1_digits", *overrides])
+    assert ours.variant == variant
+    assert (ours.task.aggregation, ours.trainer.select_metric) == (aggregation, metric)
+    assert ours.trainer.select == "best"
+    assert ours.trainer.optimizer.lr == theirs.trainer.optimizer.lr
+    assert ours.trainer.decay_to == theirs.trainer.decay_to
+    sweep = compose_cfg(["experiment=p1_digits_conventions"], return_hydra_config=True)
+    params = sweep.hydra.sweeper.params
+    digits = compose_cfg(["experiment=p1_digits"], return_hydra_config=True).hydra.sweeper.params
+    assert params["method"] == "sve,deep_ensemble,lora_ensemble"
+    assert (params["backbone"], params["seed"]) == (digits["backbone"], digits["seed"])
 
 
 @pytest.mark.slow
