@@ -106,8 +106,8 @@ class Trainer:
     of the best validated epoch). select_metric: what best means: nll (the lowest validation
     loss, the task's ``val_loss``) | acc (the highest validation accuracy; of equal ones the
     earlier epoch, as with equal losses). val_every: epochs between validation passes (only
-    validated epochs can be selected). progress: auto (a bar
-    on a terminal, one line per epoch otherwise) | bar | lines | none (:func:`progress_mode`).
+    validated epochs can be selected). progress: auto (a bar on a terminal, one line per epoch
+    otherwise) | bar | lines | none (:func:`progress_mode`).
     decay_to: zero or None (the optimiser's own weight decay, toward 0) | init (decoupled weight
     decay toward the values training started from — for SVE the pretrained spectrum, for full
     fine-tuning the pretrained weights: p ← p − lr·wd·(p − p₀) after each step, with the
