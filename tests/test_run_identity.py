@@ -173,9 +173,11 @@ def test_the_table_layout_is_no_part_of_the_identity_nor_of_the_path(compose_cfg
 
 def test_added_keys_take_the_value_older_runs_used():
     assert ADDED_KEYS == {"trainer.precision": "32", "method.rank": None,
-                          "method.masks": "torch"}
+                          "method.masks": "torch", "trainer.select_metric": "nll"}
     assert differences({"trainer": {}}, {"trainer": {"precision": "32"}}) == []
     assert differences({"trainer": {}}, {"trainer": {"precision": "16-mixed"}}) != []
+    assert differences({"trainer": {}}, {"trainer": {"select_metric": "nll"}}) == []
+    assert differences({"trainer": {}}, {"trainer": {"select_metric": "acc"}}) != []
 
 
 def test_mc_dropout_runs_stored_before_the_mask_option_drew_torch_masks():

@@ -43,9 +43,10 @@ ENGINE_LAYOUT = ("strategy", "devices", "num_nodes", "accumulate", "activation_c
                  "checkpoint_every", "keep_checkpoint", "progress")
 # Keys added to the config since runs were first stored, with the value the older runs used.
 # rank: null is SVE as it always was; MC-Dropout's earlier runs drew nn.Dropout's masks (the
-# fast masks draw other numbers for a seed, so those runs are another configuration).
+# fast masks draw other numbers for a seed, so those runs are another configuration);
+# select_metric: nll is the lowest validation loss that select=best always kept.
 ADDED_KEYS: dict[str, Any] = {"trainer.precision": "32", "method.rank": None,
-                              "method.masks": "torch"}
+                              "method.masks": "torch", "trainer.select_metric": "nll"}
 
 
 def speed_options(config: dict[str, Any]) -> tuple[str, ...]:

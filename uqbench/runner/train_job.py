@@ -284,6 +284,8 @@ def _results(cfg: DictConfig, config: dict, header: dict, trainer: Any, fabric: 
         "cost": scored.cost,
         "environment": environment(),
         "train": {"epochs": train["epochs"], "selected_epoch": train["selected_epoch"],
+                  "selected_by": train.get("selected_by"),
+                  "selected_value": train.get("selected_value"),
                   "updated_weights": trainer.updates_weights,
                   "device": str(fabric.device), "device_note": fallback,
                   "precision": trainer.precision, "strategy": type(fabric.strategy).__name__,
