@@ -46,7 +46,9 @@ where uqbench-docs writes the cited cell in place of ``…``, here ``0.049 ± 0.
   text their Markdown shows (``0.014 ± 0.008``, ``✓ +33.4%``). An empty cell is an error.
 
 Markers inside code (fenced blocks and backtick spans) are examples, not citations: they are
-never rewritten. Imports nothing of uqbench but its error reporting.
+never rewritten. Imports nothing of uqbench but its error reporting. Longer than most modules:
+the marker syntax, the reader of the table files and the command are one contract, and read
+best in one file.
 """
 
 from __future__ import annotations
@@ -174,6 +176,15 @@ def find_markers(text: str) -> tuple[list[Marker], list[tuple[int, str]]]:
                                         "the same line"))
     found.sort(key=lambda mk: mk.start)
     return found, sorted(bad)
+
+
+def without_citations(text: str) -> str:
+    """``text`` with its code, its generated tables and numbers (markers included) and every
+    other HTML comment blanked: the words a writer typed, at their offsets."""
+    masked = mask_code(text)
+    for pattern in (r"<!-- table: .*?<!-- /table -->", NUMBER.pattern, r"<!--.*?-->"):
+        masked = re.sub(pattern, lambda m: _blank(m.group(0)), masked, flags=re.S)
+    return masked
 
 
 # --- reading the tables ------------------------------------------------------------------------
