@@ -14,7 +14,7 @@ export TOKENIZERS_PARALLELISM ?= false
 .PHONY: help setup demo test test-slow tables p1-tables lint bench clean-runs data latex
 
 help:  ## Show this help
-	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
+	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PY) >/dev/null || { echo "error: $(PY) not found; install Python 3.11 or run 'make PY=python3 setup'"; exit 1; }
@@ -51,6 +51,11 @@ tables: $(STAMP)  ## Build every experiment's table from runs/**/results.json in
 
 p1-tables: $(STAMP)  ## Every P1 table from the runs that exist, and which runs are missing
 	$(BIN)/uqbench-sweeps --tables tables
+
+# README.md and docs/*.md cite their result numbers and tables from tables/ (docs/development.md)
+.PHONY: docs
+docs: $(STAMP)  ## Write README.md's and docs/'s result numbers and tables from tables/ (--check: compare only)
+	$(BIN)/uqbench-docs
 
 # BENCH_ARGS: e.g. "--parts bnn" or "--members 4 --models vit" for a shorter run
 BENCH_ARGS ?=
