@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from tests.helpers import ROOT, run_cli
 from uqbench.identity import differences
-from uqbench.report.selection import TIE_TOLERANCE, main, select
+from uqbench.report.selection import GROUP_BY, TIE_TOLERANCE, main, select
 from uqbench.runner.parts import recipes_used
 
 
@@ -244,14 +244,18 @@ def test_the_sweep_with_one_scoring_on_test_is_refused(sweep, tmp_path, capsys):
 # --- experiments read the recipe file ----------------------------------------------------------
 
 RECIPE = ROOT / "conf" / "recipe" / "p1_digits.yaml"
-BACKBONES = ("digits_vit_random", "digits_vit_weak", "digits_vit_strong")
-METHODS = ("single", "mc_dropout_t4", "deep_ensemble", "lora_ensemble", "sve", "svf")
+
+
+def _swept(compose_cfg, experiment: str, key: str) -> list[str]:
+    """The values an experiment's sweep lists for ``key`` (its one list of them)."""
+    cfg = compose_cfg([f"experiment={experiment}"], return_hydra_config=True)
+    return str(cfg.hydra.sweeper.params[key]).split(",")
 
 
 def test_p1_digits_reads_each_learning_rate_from_the_recipe_file(compose_cfg):
     choices = yaml.safe_load(RECIPE.read_text())["choices"]
-    for backbone in BACKBONES:
-        for method in METHODS:
+    for backbone in _swept(compose_cfg, "p1_digits", "backbone"):
+        for method in _swept(compose_cfg, "p1_digits", "method"):
             cfg = compose_cfg(["experiment=p1_digits", f"backbone={backbone}",
                                f"method={method}"])
             entry = choices[backbone][cfg.method.name]
@@ -259,19 +263,41 @@ def test_p1_digits_reads_each_learning_rate_from_the_recipe_file(compose_cfg):
             assert cfg.trainer.decay_to == entry.get("decay_to"), (backbone, method)
 
 
+@pytest.mark.parametrize("method,low,high,decay", [
+    (None, 1e-4, 1e-2, "null"),                # full fine-tuning (the default sweep)
+    ("lora_ensemble", 3e-4, 3e-2, "null"),
+    ("sve", 1e-2, 1.0, "zero,init"), ("svf", 1e-2, 1.0, "zero,init")])
+def test_the_selection_sweep_takes_its_family_grid_and_scores_val_only(compose_cfg, method, low,
+                                                                       high, decay):
+    cfg = compose_cfg(["experiment=p1_digits_select", *([f"method={method}"] if method else [])],
+                      return_hydra_config=True)
+    assert list(cfg.eval_splits) == ["val"]
+    params = OmegaConf.to_container(cfg.hydra.sweeper.params, resolve=True)
+    lrs = [float(v) for v in params["trainer.optimizer.lr"].split(",")]
+    assert len(lrs) == 5 and (lrs[0], lrs[-1]) == pytest.approx((low, high))
+    steps = np.log10(np.array(lrs[1:]) / np.array(lrs[:-1]))  # about half a decade each
+    assert np.all(np.abs(steps - 0.5) < 0.03)
+    assert params["trainer.decay_to"] == decay
+    # it chooses for every backbone level the benchmark runs
+    assert set(_swept(compose_cfg, "p1_digits", "backbone")) <= set(params["backbone"].split(","))
+
+
 def test_the_recipe_is_no_part_of_a_runs_identity(compose_cfg):
     """A re-selection that picks the same values (new provenance, new scores) leaves the runs
     reusable; one that picks another value changes the runs that read it."""
-    cfg = OmegaConf.to_container(compose_cfg(["experiment=p1_digits",
-                                              "backbone=digits_vit_weak", "method=svf"]),
+    cfg = OmegaConf.to_container(compose_cfg(["experiment=p1_digits", "method=svf"]),
                                  resolve=True)
+    backbone, lr = cfg["backbone"]["name"], cfg["trainer"]["optimizer"]["lr"]
     again = copy.deepcopy(cfg)
     again["lookup"]["digits_recipe"]["provenance"] |= {"date": "2030-01-01", "runs": 120}
-    again["lookup"]["digits_recipe"]["groups"]["digits_vit_weak"]["svf"]["edge"] = ["lr"]
+    again["lookup"]["digits_recipe"]["groups"][backbone]["svf"] = {
+        "candidates": [{"values": {"lr": lr}, "mean": 0.1, "std": None, "n": 1}],
+        "ties": None, "edge": ["lr"]}
     assert differences(cfg, again) == []
     moved = copy.deepcopy(cfg)
-    moved["trainer"]["optimizer"]["lr"] = 0.3  # what the run reads from a changed choice
-    assert differences(cfg, moved) == ["trainer.optimizer.lr: 0.1 (stored) → 0.3 (requested)"]
+    moved["trainer"]["optimizer"]["lr"] = 3 * lr  # what the run reads from a changed choice
+    assert differences(cfg, moved) == [
+        f"trainer.optimizer.lr: {lr!r} (stored) → {3 * lr!r} (requested)"]
 
 
 def _settings(backbone: str, method: str, lr: float, decay_to: str | None) -> dict:
@@ -279,20 +305,33 @@ def _settings(backbone: str, method: str, lr: float, decay_to: str | None) -> di
                          "trainer": {"optimizer": {"lr": lr}, "decay_to": decay_to}}}
 
 
-def test_a_run_records_the_recipe_entry_it_used_with_its_edge_keys(compose_cfg):
-    config = OmegaConf.to_container(compose_cfg(["experiment=p1_digits"]), resolve=True)
-    groups = yaml.safe_load(RECIPE.read_text())["groups"]
-    # weak × svf: lr 0.1 inside its grid (0.01 … 0.3); random × svf: 0.3, the grid's top
-    assert groups["digits_vit_weak"]["svf"]["edge"] == []
-    assert groups["digits_vit_random"]["svf"]["edge"] == ["lr"]
-    assert recipes_used(config, _settings("digits_vit_weak", "svf", 0.1, "zero")) == {
-        "digits_recipe": {"file": "conf/recipe/p1_digits.yaml",
-                          "group": ["digits_vit_weak", "svf"],
-                          "choices": {"lr": 0.1, "decay_to": "zero"}, "edge": []}}
-    used = recipes_used(config, _settings("digits_vit_random", "svf", 0.3, "zero"))
-    assert used["digits_recipe"]["edge"] == ["lr"]
-    # a run that set its own learning rate did not use the entry
-    assert recipes_used(config, _settings("digits_vit_random", "svf", 0.2, "zero")) == {}
+def test_a_run_records_the_recipe_entry_it_used_with_its_edge_keys():
+    recipe = {"provenance": {"file": "conf/recipe/x.yaml", "group_by": GROUP_BY,
+                             "keys": {"lr": "trainer.optimizer.lr",
+                                      "decay_to": "trainer.decay_to"}},
+              "choices": {"b": {"svf": {"lr": 0.3, "decay_to": "zero"}, "sve": {"lr": 0.1}}},
+              "groups": {"b": {"svf": {"edge": ["lr"]}, "sve": {"edge": []}}}}
+    config = {"lookup": {"r": recipe, "plain": {"b": {"lr": 0.3}}}}  # no provenance: no recipe
+    assert recipes_used(config, _settings("b", "svf", 0.3, "zero")) == {
+        "r": {"file": "conf/recipe/x.yaml", "group": ["b", "svf"],
+              "choices": {"lr": 0.3, "decay_to": "zero"}, "edge": ["lr"]}}
+    assert recipes_used(config, _settings("b", "sve", 0.1, None))["r"]["edge"] == []
+    # a run that set its own value, or of a group the recipe lacks, used no entry
+    assert recipes_used(config, _settings("b", "svf", 0.2, "zero")) == {}
+    assert recipes_used(config, _settings("b", "svf", 0.3, "init")) == {}
+    assert recipes_used(config, _settings("c", "svf", 0.3, "zero")) == {}
+
+
+def test_a_p1_digits_run_records_its_entry_of_the_recipe_file(compose_cfg):
+    recipe = yaml.safe_load(RECIPE.read_text())
+    cfg = compose_cfg(["experiment=p1_digits", "method=svf"])
+    config = OmegaConf.to_container(cfg, resolve=True)
+    backbone = str(cfg.backbone.name)
+    chosen = recipe["choices"][backbone]["svf"]
+    used = recipes_used(config, _settings(backbone, "svf", chosen["lr"], chosen.get("decay_to")))
+    assert used == {"digits_recipe": {"file": "conf/recipe/p1_digits.yaml",
+                                      "group": [backbone, "svf"], "choices": chosen,
+                                      "edge": recipe["groups"][backbone]["svf"]["edge"]}}
 
 
 def test_a_row_whose_runs_used_an_edge_choice_is_marked_with_a_footnote(tmp_path):
