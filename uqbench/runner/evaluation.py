@@ -37,7 +37,8 @@ class Splits:
     @property
     def predicted(self) -> list[str]:
         """Every split predicted, in a fixed order (eval, OOD, val) so that stochastic methods
-        draw the same random numbers as before the validation pass existed."""
+        draw the same random numbers as before the validation pass existed (a run that scores
+        fewer splits draws its validation predictions from another point of the stream)."""
         return [*self.eval, *self.ood, *(["val"] if self.val else [])]
 
     @property
