@@ -83,20 +83,23 @@ lint: $(STAMP)  ## Lint with ruff, then type-check uqbench with mypy (settings i
 clean-runs:  ## Delete runs/ (asks first)
 	@read -p "Delete everything under runs/? [y/N] " a && [ "$$a" = y ] && rm -rf runs/*/ || echo kept
 
-.PHONY: digits-pretrain p1-digits-lr p1-digits
+.PHONY: digits-pretrain p1-digits-select p1-digits-lr p1-digits
 digits-pretrain: $(STAMP)  ## Pretrain the digits ViTs (weak, strong) into the cache; print each level's linear probe
 	$(BIN)/uqbench-pretrain
 
 DIGITS_SWEEP := skip_existing=true trainer.progress=false hydra/launcher=local
 
-p1-digits-lr: digits-pretrain  ## The digits benchmark's learning-rate grid (validation only); prints the choice
-	$(BIN)/uqbench experiment=p1_digits_lr $(DIGITS_SWEEP)
-	$(BIN)/uqbench experiment=p1_digits_lr method=lora_ensemble \
-		trainer.optimizer.lr=3e-4,1e-3,3e-3,1e-2 $(DIGITS_SWEEP)
-	$(BIN)/uqbench experiment=p1_digits_lr method=sve,svf trainer.decay_to=zero,init \
-		trainer.optimizer.lr=1e-2,3e-2,1e-1,3e-1 $(DIGITS_SWEEP)
-	$(BIN)/uqbench-select p1_digits_lr --metric val/nll \
-		--key trainer.optimizer.lr --key trainer.decay_to
+# One sweep per method family, each on its grid in conf/experiment/p1_digits_select.yaml
+# (validation only), then the choice written to the recipe file that experiment=p1_digits reads.
+p1-digits-select: digits-pretrain  ## The digits benchmark's selection sweep (validation only); writes conf/recipe/p1_digits.yaml
+	$(BIN)/uqbench experiment=p1_digits_select $(DIGITS_SWEEP)
+	$(BIN)/uqbench experiment=p1_digits_select method=lora_ensemble $(DIGITS_SWEEP)
+	$(BIN)/uqbench experiment=p1_digits_select method=sve $(DIGITS_SWEEP)
+	$(BIN)/uqbench experiment=p1_digits_select method=svf $(DIGITS_SWEEP)
+	$(BIN)/uqbench-select p1_digits_select --metric val/nll \
+		--key trainer.optimizer.lr --key trainer.decay_to --write conf/recipe/p1_digits.yaml
+
+p1-digits-lr: p1-digits-select  ## The former name of p1-digits-select
 
 p1-digits: digits-pretrain  ## P1 on real digits: 6 methods x 3 backbone levels x 3 seeds, table and figures
 	$(BIN)/uqbench experiment=p1_digits $(DIGITS_SWEEP)

@@ -138,16 +138,16 @@ def test_a_lookup_table_is_no_part_of_the_identity(compose_cfg):
     assert cfg["trainer"]["optimizer"]["lr"] == 0.003  # the YAML's entry for weak × single
     assert not any(k.startswith("lookup") for k in identity(cfg))
     edited = _resolved(compose_cfg, [*overrides,
-                                     "lookup.digits_recipe.digits_vit_weak.svf.lr=0.5"])
+                                     "lookup.digits_recipe.choices.digits_vit_weak.svf.lr=0.5"])
     assert differences(cfg, edited) == []
     used = _resolved(compose_cfg, [*overrides,
-                                   "lookup.digits_recipe.digits_vit_weak.single.lr=0.5"])
+                                   "lookup.digits_recipe.choices.digits_vit_weak.single.lr=0.5"])
     assert differences(cfg, used) == [
         "trainer.optimizer.lr: 0.003 (stored) → 0.5 (requested)"]
     # a lookup override may change what the run reads: it names its own folder
-    assert identity_overrides(["lookup.digits_recipe.digits_vit_weak.single.lr=0.5"],
+    assert identity_overrides(["lookup.digits_recipe.choices.digits_vit_weak.single.lr=0.5"],
                               compose_cfg(overrides)) == [
-        "lookup.digits_recipe.digits_vit_weak.single.lr=0.5"]
+        "lookup.digits_recipe.choices.digits_vit_weak.single.lr=0.5"]
 
 
 def test_runs_stored_before_the_lookup_rule_stay_reusable(compose_cfg):

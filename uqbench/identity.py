@@ -4,7 +4,9 @@ A run's identity is what it resolved and used: its resolved config, less the key
 and how it is kept or shown (:data:`RECORD_KEYS`), the engine's layout (:data:`ENGINE_LAYOUT`:
 the same computation on other hardware), the options its method declares speed-only
 (``speed_options`` on the method's class, e.g. the BNN's ``fused`` and ``compile``) and the
-lookup tables (:data:`LOOKUP`). Two things read it:
+lookup tables (:data:`LOOKUP`). What a run scores is identity too: ``eval_splits: [val]`` (a
+selection run, no test number) is another run than ``eval_splits: null``, which older runs
+stored without the key count as. Two things read it:
 
 - the run folder's path (``uqbench.configs.identity_overrides``): an override that changes the
   identity and that the path does not already show (:data:`SHOWN_IN_PATH`) names a subfolder;

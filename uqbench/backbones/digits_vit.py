@@ -111,8 +111,9 @@ def pretrain_settings(level: str, split: dict[str, Any] | None = None, seed: int
     one_of("backbone.level", level, Level)
     chosen = RECIPES[level] if recipe is None else recipe
     return {"format": FORMAT, "model": MODEL, "architecture": dict(ARCHITECTURE),
-            "level": level, "recipe": None if chosen is None else dict(chosen), "split": dict(DEFAULT_SPLIT if split is None else split),
-            "seed": int(seed), "image_size": ARCHITECTURE["img_size"]}
+            "level": level, "recipe": None if chosen is None else dict(chosen),
+            "split": dict(DEFAULT_SPLIT if split is None else split), "seed": int(seed),
+            "image_size": ARCHITECTURE["img_size"]}
 
 
 def fingerprint(settings: dict[str, Any]) -> str:
