@@ -83,9 +83,9 @@ lint: $(STAMP)  ## Lint with ruff, then type-check uqbench with mypy (settings i
 clean-runs:  ## Delete runs/ (asks first)
 	@read -p "Delete everything under runs/? [y/N] " a && [ "$$a" = y ] && rm -rf runs/*/ || echo kept
 
-.PHONY: digits-pretrain p1-digits-select p1-digits-lr p1-digits
-digits-pretrain: $(STAMP)  ## Pretrain the digits ViTs (weak, strong) into the cache; print each level's linear probe
-	$(BIN)/uqbench-pretrain
+.PHONY: digits-pretrain p1-digits-select p1-digits-lr p1-digits p1-digits-conventions
+digits-pretrain: $(STAMP)  ## Pretrain the digits ViTs (3 levels x 3 seeds) into the cache; print each one's validation probe
+	$(BIN)/uqbench-pretrain --jobs 2
 
 DIGITS_SWEEP := skip_existing=true trainer.progress=false hydra/launcher=local
 
@@ -101,6 +101,10 @@ p1-digits-select: digits-pretrain  ## The digits benchmark's selection sweep (va
 
 p1-digits-lr: p1-digits-select  ## The former name of p1-digits-select
 
-p1-digits: digits-pretrain  ## P1 on real digits: 6 methods x 3 backbone levels x 3 seeds, table and figures
+p1-digits: digits-pretrain  ## P1 on real digits: 6 methods x 4 backbone levels x 3 seeds; table, claims, levels
 	$(BIN)/uqbench experiment=p1_digits $(DIGITS_SWEEP)
 	$(BIN)/uqbench-tables --experiment p1_digits
+
+p1-digits-conventions: digits-pretrain  ## P1's code conventions on the foundation-grade digits level; table and claims
+	$(BIN)/uqbench experiment=p1_digits_conventions $(DIGITS_SWEEP)
+	$(BIN)/uqbench-tables --experiment p1_digits_conventions
