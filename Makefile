@@ -84,7 +84,7 @@ clean-runs:  ## Delete runs/ (asks first)
 	@read -p "Delete everything under runs/? [y/N] " a && [ "$$a" = y ] && rm -rf runs/*/ || echo kept
 
 .PHONY: digits-pretrain p1-digits-select p1-digits-lr p1-digits p1-digits-conventions
-digits-pretrain: $(STAMP)  ## Pretrain the digits ViTs (3 levels x 3 seeds) into the cache; print each one's validation probe
+digits-pretrain: $(STAMP)  ## Pretrain the digits ViTs (3 pretrained levels x 3 seeds, and the random level's probes); print each validation probe
 	$(BIN)/uqbench-pretrain --jobs 2
 
 DIGITS_SWEEP := skip_existing=true trainer.progress=false hydra/launcher=local
