@@ -96,6 +96,11 @@ p1-digits-select: digits-pretrain  ## The digits benchmark's selection sweep (va
 	$(BIN)/uqbench experiment=p1_digits_select method=lora_ensemble $(DIGITS_SWEEP)
 	$(BIN)/uqbench experiment=p1_digits_select method=sve $(DIGITS_SWEEP)
 	$(BIN)/uqbench experiment=p1_digits_select method=svf $(DIGITS_SWEEP)
+	@# the choices the family grids left at an edge, each grid extended one step past it
+	$(BIN)/uqbench experiment=p1_digits_select method=sve,svf backbone=digits_vit_foundation \
+		trainer.optimizer.lr=3e-3 trainer.decay_to=zero,init $(DIGITS_SWEEP)
+	$(BIN)/uqbench experiment=p1_digits_select method=deep_ensemble backbone=digits_vit_near \
+		trainer.optimizer.lr=3e-2 $(DIGITS_SWEEP)
 	$(BIN)/uqbench-select p1_digits_select --metric val/nll \
 		--key trainer.optimizer.lr --key trainer.decay_to --write conf/recipe/p1_digits.yaml
 
