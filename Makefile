@@ -14,7 +14,7 @@ export TOKENIZERS_PARALLELISM ?= false
 .PHONY: help setup demo test test-slow tables p1-tables lint bench clean-runs data latex
 
 help:  ## Show this help
-	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
+	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PY) >/dev/null || { echo "error: $(PY) not found; install Python 3.11 or run 'make PY=python3 setup'"; exit 1; }
@@ -52,6 +52,11 @@ tables: $(STAMP)  ## Build every experiment's table from runs/**/results.json in
 p1-tables: $(STAMP)  ## Every P1 table from the runs that exist, and which runs are missing
 	$(BIN)/uqbench-sweeps --tables tables
 
+# README.md and docs/*.md cite their result numbers and tables from tables/ (docs/development.md)
+.PHONY: docs
+docs: $(STAMP)  ## Write README.md's and docs/'s result numbers and tables from tables/ (--check: compare only)
+	$(BIN)/uqbench-docs
+
 # BENCH_ARGS: e.g. "--parts bnn" or "--members 4 --models vit" for a shorter run
 BENCH_ARGS ?=
 
@@ -78,21 +83,28 @@ lint: $(STAMP)  ## Lint with ruff, then type-check uqbench with mypy (settings i
 clean-runs:  ## Delete runs/ (asks first)
 	@read -p "Delete everything under runs/? [y/N] " a && [ "$$a" = y ] && rm -rf runs/*/ || echo kept
 
-.PHONY: digits-pretrain p1-digits-lr p1-digits
-digits-pretrain: $(STAMP)  ## Pretrain the digits ViTs (weak, strong) into the cache; print each level's linear probe
-	$(BIN)/uqbench-pretrain
+.PHONY: digits-pretrain p1-digits-select p1-digits-lr p1-digits p1-digits-conventions
+digits-pretrain: $(STAMP)  ## Pretrain the digits ViTs (3 levels x 3 seeds) into the cache; print each one's validation probe
+	$(BIN)/uqbench-pretrain --jobs 2
 
 DIGITS_SWEEP := skip_existing=true trainer.progress=false hydra/launcher=local
 
-p1-digits-lr: digits-pretrain  ## The digits benchmark's learning-rate grid (validation only); prints the choice
-	$(BIN)/uqbench experiment=p1_digits_lr $(DIGITS_SWEEP)
-	$(BIN)/uqbench experiment=p1_digits_lr method=lora_ensemble \
-		trainer.optimizer.lr=3e-4,1e-3,3e-3,1e-2 $(DIGITS_SWEEP)
-	$(BIN)/uqbench experiment=p1_digits_lr method=sve,svf trainer.decay_to=zero,init \
-		trainer.optimizer.lr=1e-2,3e-2,1e-1,3e-1 $(DIGITS_SWEEP)
-	$(BIN)/uqbench-select p1_digits_lr --metric val/nll \
-		--key trainer.optimizer.lr --key trainer.decay_to
+# One sweep per method family, each on its grid in conf/experiment/p1_digits_select.yaml
+# (validation only), then the choice written to the recipe file that experiment=p1_digits reads.
+p1-digits-select: digits-pretrain  ## The digits benchmark's selection sweep (validation only); writes conf/recipe/p1_digits.yaml
+	$(BIN)/uqbench experiment=p1_digits_select $(DIGITS_SWEEP)
+	$(BIN)/uqbench experiment=p1_digits_select method=lora_ensemble $(DIGITS_SWEEP)
+	$(BIN)/uqbench experiment=p1_digits_select method=sve $(DIGITS_SWEEP)
+	$(BIN)/uqbench experiment=p1_digits_select method=svf $(DIGITS_SWEEP)
+	$(BIN)/uqbench-select p1_digits_select --metric val/nll \
+		--key trainer.optimizer.lr --key trainer.decay_to --write conf/recipe/p1_digits.yaml
 
-p1-digits: digits-pretrain  ## P1 on real digits: 6 methods x 3 backbone levels x 3 seeds, table and figures
+p1-digits-lr: p1-digits-select  ## The former name of p1-digits-select
+
+p1-digits: digits-pretrain  ## P1 on real digits: 6 methods x 4 backbone levels x 3 seeds; table, claims, levels
 	$(BIN)/uqbench experiment=p1_digits $(DIGITS_SWEEP)
 	$(BIN)/uqbench-tables --experiment p1_digits
+
+p1-digits-conventions: digits-pretrain  ## P1's code conventions on the foundation-grade digits level; table and claims
+	$(BIN)/uqbench experiment=p1_digits_conventions $(DIGITS_SWEEP)
+	$(BIN)/uqbench-tables --experiment p1_digits_conventions

@@ -138,16 +138,16 @@ def test_a_lookup_table_is_no_part_of_the_identity(compose_cfg):
     assert cfg["trainer"]["optimizer"]["lr"] == 0.003  # the YAML's entry for weak × single
     assert not any(k.startswith("lookup") for k in identity(cfg))
     edited = _resolved(compose_cfg, [*overrides,
-                                     "lookup.digits_recipe.digits_vit_weak.svf.lr=0.5"])
+                                     "lookup.digits_recipe.choices.digits_vit_weak.svf.lr=0.5"])
     assert differences(cfg, edited) == []
     used = _resolved(compose_cfg, [*overrides,
-                                   "lookup.digits_recipe.digits_vit_weak.single.lr=0.5"])
+                                   "lookup.digits_recipe.choices.digits_vit_weak.single.lr=0.5"])
     assert differences(cfg, used) == [
         "trainer.optimizer.lr: 0.003 (stored) → 0.5 (requested)"]
     # a lookup override may change what the run reads: it names its own folder
-    assert identity_overrides(["lookup.digits_recipe.digits_vit_weak.single.lr=0.5"],
+    assert identity_overrides(["lookup.digits_recipe.choices.digits_vit_weak.single.lr=0.5"],
                               compose_cfg(overrides)) == [
-        "lookup.digits_recipe.digits_vit_weak.single.lr=0.5"]
+        "lookup.digits_recipe.choices.digits_vit_weak.single.lr=0.5"]
 
 
 def test_runs_stored_before_the_lookup_rule_stay_reusable(compose_cfg):
@@ -173,9 +173,11 @@ def test_the_table_layout_is_no_part_of_the_identity_nor_of_the_path(compose_cfg
 
 def test_added_keys_take_the_value_older_runs_used():
     assert ADDED_KEYS == {"trainer.precision": "32", "method.rank": None,
-                          "method.masks": "torch"}
+                          "method.masks": "torch", "trainer.select_metric": "nll"}
     assert differences({"trainer": {}}, {"trainer": {"precision": "32"}}) == []
     assert differences({"trainer": {}}, {"trainer": {"precision": "16-mixed"}}) != []
+    assert differences({"trainer": {}}, {"trainer": {"select_metric": "nll"}}) == []
+    assert differences({"trainer": {}}, {"trainer": {"select_metric": "acc"}}) != []
 
 
 def test_mc_dropout_runs_stored_before_the_mask_option_drew_torch_masks():

@@ -1,4 +1,4 @@
-"""The shared training loop's schedule and its config checks."""
+"""The shared training loop's schedule, its config checks and its model selection."""
 
 from __future__ import annotations
 
@@ -9,14 +9,17 @@ import pytest
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from torch.utils.data import TensorDataset
 
 from tests.helpers import quick_trainer
 from uqbench.configs import build
 from uqbench.contracts import RegressionOutput
+from uqbench.data.base import DataModule
 from uqbench.data.polynomial import PolynomialData
 from uqbench.methods.base import Method
 from uqbench.records.loggers import NullLogger
 from uqbench.runner.training import Trainer, lr_factor
+from uqbench.tasks.classification import ClassificationTask
 from uqbench.tasks.regression import RegressionTask
 
 
@@ -67,6 +70,7 @@ def test_warmup_steps_override_warmup_epochs(monkeypatch):
 @pytest.mark.parametrize("field,value,match", [("epochs", -1, "epochs"),
                                                ("schedule", "linear", "schedule"),
                                                ("select", "first", "select"),
+                                               ("select_metric", "f1", "select_metric"),
                                                ("grad_clip", 0.0, "grad_clip"),
                                                ("warmup_steps", -5, "warmup_steps")])
 def test_bad_trainer_settings_are_named(field, value, match):
@@ -267,3 +271,105 @@ def test_weight_decay_toward_the_initial_values(decay_to, expected):
 def test_an_unknown_decay_target_is_named():
     with pytest.raises(ValueError, match="trainer.decay_to 'pretrained'.*zero.*init"):
         Trainer(optimizer=torch.optim.SGD, decay_to="pretrained")
+
+
+# --- model selection: which validated epoch's weights are kept --------------------------------
+
+class _Scripted(Method):
+    """Member logits scripted per epoch: one parameter w with loss −w (SGD lr 1, one step an
+    epoch) counts the epochs, and at w = k the prediction for validation example i is
+    ``script[k - 1][:, i]`` (M, C) logits."""
+
+    task = "classification"
+    name = "scripted"
+
+    def __init__(self, script: list[list[list[list[float]]]]):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(()))
+        self.script = torch.tensor(script)                                 # (E, M, N, C)
+
+    def forward(self, x):
+        epoch = int(round(self.w.item()))
+        return self.script[epoch - 1][:, x.long()]                         # (M, B, C)
+
+    def loss(self, batch):
+        return -self.w
+
+
+class _Examples(DataModule):
+    """One training example (one step an epoch) and validation examples 0 … N−1 with labels."""
+
+    def __init__(self, labels: list[int]):
+        super().__init__(batch_size=1, eval_batch_size=len(labels))
+        self._splits = {"train": TensorDataset(torch.zeros(1), torch.zeros(1, dtype=torch.long)),
+                        "val": TensorDataset(torch.arange(len(labels)).float(),
+                                             torch.tensor(labels))}
+
+    def dataset(self, split):
+        return self._splits[split]
+
+
+def _logits(p0: float) -> list[float]:
+    """Two-class logits whose softmax is (p0, 1 − p0)."""
+    return [math.log(p0), math.log(1 - p0)]
+
+
+# One member, two validation examples, both of class 0; p(class 0) at each epoch:
+#   epoch 1: 0.60, 0.60  → acc 1.0, nll −ln 0.6                   = 0.511
+#   epoch 2: 0.99, 0.45  → acc 0.5, nll −(ln 0.99 + ln 0.45) / 2 = 0.404 (the lowest)
+#   epoch 3: 0.55, 0.55  → acc 1.0, nll −ln 0.55                  = 0.598
+# Accuracy peaks at epochs 1 and 3 (the earlier wins), the NLL at epoch 2.
+ACC_VS_NLL = [[[_logits(0.60), _logits(0.60)]],
+              [[_logits(0.99), _logits(0.45)]],
+              [[_logits(0.55), _logits(0.55)]]]
+
+
+@pytest.mark.parametrize("select,metric,epoch,value", [
+    ("last", "nll", 3, None),
+    ("best", "nll", 2, -(math.log(0.99) + math.log(0.45)) / 2),
+    ("best", "acc", 1, 1.0),
+])
+def test_best_epoch_by_nll_or_accuracy(select, metric, epoch, value):
+    method = _Scripted(ACC_VS_NLL)
+    trainer = quick_trainer(3, lr=1.0, optimizer="torch.optim.SGD", val_every=1,
+                            select=select, select_metric=metric)
+    out = trainer.fit(method, _Examples([0, 0]), ClassificationTask(), NullLogger())
+    assert out["selected_epoch"] == epoch
+    assert method.w.item() == epoch  # the kept epoch's weights are the ones left in the model
+    assert out["selected_by"] == ("last" if select == "last" else f"val/{metric}")
+    if value is None:
+        assert out["selected_value"] is None
+    else:
+        assert out["selected_value"] == pytest.approx(value, rel=1e-6)
+
+
+# Three members, one validation example of class 0; member logits (a, 0), p(class 0) = σ(a):
+#   epoch 1: a = (2.4, −1, −1)   mean_probs  nll −ln((σ(2.4) + 2σ(−1)) / 3) = 0.724
+#                                mean_logits nll −ln σ(0.4 / 3)             = 0.628
+#   epoch 2: a = (0.1, 0.1, 0.1) both        nll −ln σ(0.1)                 = 0.644
+# so the lowest validation NLL is epoch 2's under mean_probs and epoch 1's under mean_logits.
+def _members(*a: float) -> list[list[list[float]]]:
+    return [[[x, 0.0]] for x in a]
+
+
+@pytest.mark.parametrize("aggregation,epoch", [("mean_probs", 2), ("mean_logits", 1)])
+def test_the_selection_loss_uses_the_tasks_aggregation(aggregation, epoch):
+    sigma = lambda a: 1 / (1 + math.exp(-a))  # noqa: E731
+    nll = {"mean_probs": [-math.log((sigma(2.4) + 2 * sigma(-1)) / 3), -math.log(sigma(0.1))],
+           "mean_logits": [-math.log(sigma(0.4 / 3)), -math.log(sigma(0.1))]}[aggregation]
+    method = _Scripted([_members(2.4, -1.0, -1.0), _members(0.1, 0.1, 0.1)])
+    trainer = quick_trainer(2, lr=1.0, optimizer="torch.optim.SGD", val_every=1, select="best")
+    out = trainer.fit(method, _Examples([0]), ClassificationTask(aggregation=aggregation),
+                      NullLogger())
+    assert out["selected_epoch"] == epoch
+    assert out["selected_value"] == pytest.approx(nll[epoch - 1], rel=1e-5)
+
+
+def test_a_selection_metric_the_task_lacks_is_named():
+    trainer = quick_trainer(1, select="best", select_metric="acc")
+    with pytest.raises(ValueError, match="select_metric 'acc' is not a metric of the "
+                                         r"regression task.*\('nll',\)"):
+        trainer.fit(_Constant(), PolynomialData(n_train=10, batch_size=10), RegressionTask(),
+                    NullLogger())
+    with pytest.raises(ValueError, match="select_metric 'loss' is not one of"):
+        Trainer(optimizer=torch.optim.SGD, select_metric="loss")

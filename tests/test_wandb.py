@@ -191,9 +191,9 @@ def test_an_unwritable_wandb_folder_is_refused(tmp_path):
 
 
 def test_readme_sync_command_finds_every_offline_run_in_plain_bash(tmp_path):
-    """The README's `wandb sync` line, run by a default bash (no globstar) with a stand-in
-    `wandb` that prints its arguments, names every experiment's offline runs."""
-    readme = (ROOT / "README.md").read_text()
+    """The `wandb sync` line of docs/usage.md, run by a default bash (no globstar) with a
+    stand-in `wandb` that prints its arguments, names every experiment's offline runs."""
+    readme = (ROOT / "docs" / "usage.md").read_text()
     (line,) = [ln.split("#")[0].strip() for ln in readme.splitlines()
                if ln.startswith("wandb sync ")]
     runs = tmp_path / "runs"

@@ -126,9 +126,9 @@ def test_the_hf_command_downloads_what_the_encoder_loads_and_not_the_other_forma
 
 
 @pytest.mark.parametrize("backbone", ["dino_vits16", "bert_base", "llama2_7b"])
-def test_the_readme_gives_the_same_commands_as_the_errors(cfg, backbone):
+def test_the_docs_give_the_same_commands_as_the_errors(cfg, backbone):
     bb = instantiate(cfg(f"backbone={backbone}", "paths.checkpoints=checkpoints").backbone)
     with pytest.raises(FileNotFoundError) as err:
         bb.build()
     command = printed_command(str(err.value)).removeprefix("HF_HUB_OFFLINE=0 ")
-    assert command in (ROOT / "README.md").read_text()
+    assert command in (ROOT / "docs" / "p1.md").read_text()  # its "Pretrained weights"

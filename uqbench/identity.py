@@ -4,7 +4,9 @@ A run's identity is what it resolved and used: its resolved config, less the key
 and how it is kept or shown (:data:`RECORD_KEYS`), the engine's layout (:data:`ENGINE_LAYOUT`:
 the same computation on other hardware), the options its method declares speed-only
 (``speed_options`` on the method's class, e.g. the BNN's ``fused`` and ``compile``) and the
-lookup tables (:data:`LOOKUP`). Two things read it:
+lookup tables (:data:`LOOKUP`). What a run scores is identity too: ``eval_splits: [val]`` (a
+selection run, no test number) is another run than ``eval_splits: null``, which older runs
+stored without the key count as. Two things read it:
 
 - the run folder's path (``uqbench.configs.identity_overrides``): an override that changes the
   identity and that the path does not already show (:data:`SHOWN_IN_PATH`) names a subfolder;
@@ -43,9 +45,10 @@ ENGINE_LAYOUT = ("strategy", "devices", "num_nodes", "accumulate", "activation_c
                  "checkpoint_every", "keep_checkpoint", "progress")
 # Keys added to the config since runs were first stored, with the value the older runs used.
 # rank: null is SVE as it always was; MC-Dropout's earlier runs drew nn.Dropout's masks (the
-# fast masks draw other numbers for a seed, so those runs are another configuration).
+# fast masks draw other numbers for a seed, so those runs are another configuration);
+# select_metric: nll is the lowest validation loss that select=best always kept.
 ADDED_KEYS: dict[str, Any] = {"trainer.precision": "32", "method.rank": None,
-                              "method.masks": "torch"}
+                              "method.masks": "torch", "trainer.select_metric": "nll"}
 
 
 def speed_options(config: dict[str, Any]) -> tuple[str, ...]:

@@ -11,7 +11,7 @@ recorded per pretraining seed in each checkpoint's sidecar and in every run's re
 
 - ``random``: timm's random initialisation under the pretraining seed; no checkpoint.
 - ``other``: supervised on the 600 pretraining images of the *other* digits 0–4 (never a 5–9),
-  40 epochs with random affine augmentation.
+  60 epochs with random affine augmentation.
 - ``near``: the same recipe on those 600 images plus 25 of the kind pool (5 images of each
   downstream digit 5–9 that no downstream split holds), ten-way: it has glimpsed the task's kind.
 - ``foundation``: the same recipe plus the whole kind pool (224 images of 5–9), as a foundation
@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -42,10 +43,22 @@ from uqbench.backbones.timm_vit import TimmViT
 from uqbench.contracts import one_of
 
 MODEL = "vit_tiny_patch16_224"
-# global_pool "avg": the mean patch token, not [CLS]; from 600 images it transfers better
-# (linear probe of the strong level 0.885 against 0.85 with [CLS]).
+# The design choices made on the validation split by `uqbench-pretrain --design` (the pooled
+# feature and the pretraining augmentation), with their provenance: read here, never typed.
+DESIGN_FILE = Path(__file__).resolve().parents[1] / "conf" / "recipe" / "digits_backbone.yaml"
+DESIGN_GRID: dict[str, list[Any]] = {"global_pool": ["avg", "token"], "augment": [True, False]}
+
+
+def _design() -> dict[str, Any]:
+    import yaml
+
+    return dict(yaml.safe_load(DESIGN_FILE.read_text())["choices"])
+
+
+DESIGN = _design()
 ARCHITECTURE: dict[str, Any] = {"img_size": 32, "patch_size": 8, "embed_dim": 64, "depth": 4,
-                                "num_heads": 4, "mlp_ratio": 2.0, "global_pool": "avg"}
+                                "num_heads": 4, "mlp_ratio": 2.0,
+                                "global_pool": DESIGN["global_pool"]}
 # AdamW with a cosine schedule; `augment`: random rotation ±10°, shift ±10 %, scale 0.9–1.1.
 # `kind_images`: how many images of the kind pool (other images of the downstream digits 5–9,
 # never a downstream split; balanced over classes; null: all of it) join the 600 pretraining
@@ -53,18 +66,38 @@ ARCHITECTURE: dict[str, Any] = {"img_size": 32, "patch_size": 8, "embed_dim": 64
 Level = Literal["random", "other", "near", "foundation"]
 RECIPES: dict[str, dict[str, Any] | None] = {
     "random": None,
-    "other": {"kind_images": 0, "epochs": 40, "lr": 3e-3, "weight_decay": 0.3,
-              "batch_size": 32, "augment": True},
-    "near": {"kind_images": 25, "epochs": 40, "lr": 3e-3, "weight_decay": 0.3,
-             "batch_size": 32, "augment": True},
-    "foundation": {"kind_images": None, "epochs": 40, "lr": 3e-3, "weight_decay": 0.3,
-                   "batch_size": 32, "augment": True},
+    "other": {"kind_images": 0, "epochs": 60, "lr": 3e-3, "weight_decay": 0.3,
+              "batch_size": 32, "augment": DESIGN["augment"]},
+    "near": {"kind_images": 25, "epochs": 60, "lr": 3e-3, "weight_decay": 0.3,
+             "batch_size": 32, "augment": DESIGN["augment"]},
+    "foundation": {"kind_images": None, "epochs": 60, "lr": 3e-3, "weight_decay": 0.3,
+                   "batch_size": 32, "augment": DESIGN["augment"]},
 }
 LEVELS: tuple[str, ...] = get_args(Level)
 FORMAT = 2  # bump when the pretraining code changes what a recipe produces
 SUBDIR = "digits_vit"
 # The digits split every level is pretrained on by default (= the digits dataset's defaults).
 DEFAULT_SPLIT: dict[str, Any] = {"split_seed": 0, "kind_fraction": 0.25}
+
+
+@contextmanager
+def designed(choices: dict[str, Any]) -> Iterator[None]:
+    """Build with other design choices (``uqbench-pretrain --design`` tries each candidate):
+    the architecture's pooling and every recipe's augmentation, restored afterwards. The
+    choices enter each checkpoint's fingerprint, so candidates never shadow each other."""
+    unknown = sorted(set(choices) - set(DESIGN_GRID))
+    if unknown:
+        raise ValueError(f"unknown design choice(s) {unknown}; valid: {sorted(DESIGN_GRID)}")
+    before = (ARCHITECTURE["global_pool"], {k: r["augment"] for k, r in RECIPES.items() if r})
+    ARCHITECTURE["global_pool"] = choices.get("global_pool", before[0])
+    for recipe in (r for r in RECIPES.values() if r):
+        recipe["augment"] = choices.get("augment", recipe["augment"])
+    try:
+        yield
+    finally:
+        ARCHITECTURE["global_pool"] = before[0]
+        for level, augment in before[1].items():
+            RECIPES[level]["augment"] = augment  # type: ignore[index]
 
 
 class CheckpointCorruptError(ValueError):
@@ -76,10 +109,11 @@ def pretrain_settings(level: str, split: dict[str, Any] | None = None, seed: int
     """Everything a level's weights depend on: the recipe (``recipe`` replaces the level's
     own), the digits split it reads (``{split_seed, kind_fraction}``) and the seed."""
     one_of("backbone.level", level, Level)
-    chosen = RECIPES[level] if recipe is None else dict(recipe)
-    return {"format": FORMAT, "model": MODEL, "architecture": ARCHITECTURE, "level": level,
-            "recipe": chosen, "split": dict(DEFAULT_SPLIT if split is None else split),
-            "seed": int(seed), "image_size": ARCHITECTURE["img_size"]}
+    chosen = RECIPES[level] if recipe is None else recipe
+    return {"format": FORMAT, "model": MODEL, "architecture": dict(ARCHITECTURE),
+            "level": level, "recipe": None if chosen is None else dict(chosen),
+            "split": dict(DEFAULT_SPLIT if split is None else split), "seed": int(seed),
+            "image_size": ARCHITECTURE["img_size"]}
 
 
 def fingerprint(settings: dict[str, Any]) -> str:

@@ -3,6 +3,11 @@
 Also the warning for a key of the spec that no run has (a typo, a metric this dataset does not
 write), naming the closest keys the runs do have. Std everywhere: the sample standard deviation
 over seeds (``ddof=1``).
+
+Edge choices. A run that used a recipe entry (results.json's ``recipe``, which the runner fills
+from the recipe files an experiment reads: :mod:`uqbench.report.selection`) whose value was
+chosen at the edge of its grid marks its row: :data:`EDGE_MARK` after the last row key, and
+:func:`edge_note` says which keys under the table.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from uqbench.report.claims import get_path
 from uqbench.report.validation import Run, figure_keys, figure_specs, is_number, setting_of
 
 MISSING = "–"  # a cell, a row key or a paper value that has no number
+EDGE_MARK = "†"  # a row whose runs used a setting chosen at the edge of its grid
 
 
 # --- the spec's keys against the runs' keys ----------------------------------------------------
@@ -119,10 +125,25 @@ def _paper_refs(spec: dict[str, Any], settings: list[tuple]) -> list[dict[str, A
     return [r or {} for r in refs]
 
 
+def edge_keys(run: Run) -> set[str]:
+    """The keys of the recipe entries a run used that were chosen at the edge of their grid."""
+    recipe = run.get("recipe")
+    entries = recipe.values() if isinstance(recipe, dict) else []
+    return {str(k) for e in entries if isinstance(e, dict) for k in e.get("edge") or []}
+
+
+def edge_note(runs: list[Run]) -> str | None:
+    """The footnote for the rows :data:`EDGE_MARK` marks, or None when no run used an edge
+    choice."""
+    keys = sorted(set().union(*(edge_keys(run) for run in runs)))
+    return f"{EDGE_MARK} chosen at the edge of its grid: {', '.join(keys)}" if keys else None
+
+
 def build_table(runs: list[Run], spec: dict[str, Any]) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(display table with formatted cells, numeric table with mean/std columns): one row per
     setting (the row keys' values, sorted: numbers first, in order), each column's mean, sample
-    std (ddof=1) and count over the setting's runs, and ``seeds``, its distinct seeds."""
+    std (ddof=1) and count over the setting's runs, and ``seeds``, its distinct seeds. A setting
+    whose runs used an edge choice shows :data:`EDGE_MARK` after its last row key."""
     rows, cols = spec["rows"], spec["columns"]
     settings = [setting_of(run, spec) for run in runs]
     order = sorted(set(settings), key=lambda s: tuple(sort_key(v) for v in s))
@@ -142,6 +163,9 @@ def build_table(runs: list[Run], spec: dict[str, Any]) -> tuple[pd.DataFrame, pd
 
     shown = pd.DataFrame({r["title"]: [show_key(s[i], r.get("fmt")) for s in order]
                           for i, r in enumerate(rows)})
+    edged = {index[s] for s, run in zip(settings, runs, strict=True) if edge_keys(run)}
+    last = rows[-1]["title"]
+    shown[last] = [f"{v} {EDGE_MARK}" if i in edged else v for i, v in enumerate(shown[last])]
     numeric = pd.DataFrame({r["title"]: [MISSING if s[i] is None else
                                          format(s[i], r["fmt"]) if "fmt" in r
                                          and is_number(s[i]) else s[i] for s in order]

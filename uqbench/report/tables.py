@@ -31,6 +31,10 @@ Std. One convention everywhere: the sample standard deviation over seeds (``ddof
 table cells (mean ± std; the mean alone when there is one seed or no spread), the CSV's
 ``<column> std`` (empty with one seed) and the figures' error bars (none with one seed).
 
+Edge choices. A row whose runs used a recipe setting chosen at the edge of its grid
+(results.json's ``recipe``) is marked "†" after its last row key, with the footnote
+"† chosen at the edge of its grid: <key>" under the Markdown table (in the LaTeX caption).
+
 Output. The Markdown and the LaTeX show the same text: numbers in the column's ``fmt`` (default
 ``.4g``), numeric row keys in the row's ``fmt`` (integers as they are, other numbers ``.4g``),
 "–" for a missing value. The LaTeX is a booktabs table (``\\usepackage{booktabs}``) written by
@@ -55,7 +59,7 @@ from typing import Any
 import pandas as pd
 
 from uqbench.errors import user_errors
-from uqbench.report.building import build_table, missing_keys
+from uqbench.report.building import build_table, edge_note, missing_keys
 from uqbench.report.claims import InvalidClaims, write_claims
 from uqbench.report.figures import summary_figure
 from uqbench.report.latex import to_latex
@@ -133,12 +137,14 @@ def _write_files(exp: str, spec: dict[str, Any], runs: list[Run], shown: pd.Data
                  numeric: pd.DataFrame, out_dir: Path) -> list[str]:
     """Write one experiment's Markdown, LaTeX, CSV, figures and claims; their file names."""
     title = spec.get("title", exp)
+    note = edge_note(runs)  # the rows marked † used a setting chosen at its grid's edge
     # disable_numparse keeps our formatting ("95.0", "0.20") instead of re-parsing numbers
     md = f"## {title}\n\n" + shown.to_markdown(index=False, disable_numparse=True) + "\n"
-    (out_dir / f"{exp}.md").write_text(md)
+    (out_dir / f"{exp}.md").write_text(md + (f"\n{note}\n" if note else ""))
     unknown: set[str] = set()
+    caption = f"{title}. {note}" if note else title
     (out_dir / f"{exp}.tex").write_text(
-        to_latex(shown, title, f"tab:{exp}", len(spec["rows"]), unknown))
+        to_latex(shown, caption, f"tab:{exp}", len(spec["rows"]), unknown))
     for char in sorted(unknown):
         print(f"warning: {exp}.tex: no LaTeX for {char!r} (U+{ord(char):04X} "
               f"{unicodedata.name(char, 'unnamed')}); written as '?'", file=sys.stderr)

@@ -129,10 +129,12 @@ def check_one_ensemble(members: list[Member]) -> None:
 
 def splits_of(member: Member) -> tuple[list[str], list[str], list[str]]:
     """(eval splits, OOD splits, every split with predictions) as the runner scored them: the
-    dataset built (not set up) from the stored config, and val where the member scored it."""
+    dataset's (built, not set up) that ``eval_splits`` kept, and val where the member has it."""
     data = build(copy.deepcopy(member.config["dataset"]))
     val = ["val"] if any(k.startswith("val/") for k in member.results.get("metrics", {})) else []
-    eval_splits, ood_splits = list(data.eval_splits), list(data.ood_splits)
+    kept = member.config.get("eval_splits")
+    eval_splits, ood_splits = ([s for s in splits if kept is None or s in kept]
+                               for splits in (data.eval_splits, data.ood_splits))
     return eval_splits, ood_splits, [*eval_splits, *ood_splits, *val]
 
 

@@ -2,10 +2,12 @@
 
 The run is ``eval_run`` (or the folder this command names). Everything but the data comes from
 the run's stored config; the dataset (and its task) come from the command when it names one
-(``dataset=cifar100_c``), else from the run. The results land in ``<run>/eval/<dataset>/``
-(results.json, predictions/), published all at once under the scored run's lock; the run's own
-files are never touched. A Deep Ensemble combined from member jobs is scored from its members'
-checkpoints, their predictions joined in member order.
+(``dataset=cifar100_c``), else from the run; the splits scored are the command's
+``eval_splits`` (null: every split of that dataset). The results land in
+``<run>/eval/<dataset>/`` (``<dataset>,eval_splits=[…]`` when the splits are restricted:
+another scoring, another folder; results.json, predictions/), published all at once under the
+scored run's lock; the run's own files are never touched. A Deep Ensemble combined from member
+jobs is scored from its members' checkpoints, their predictions joined in member order.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from uqbench.records.results import group_settings, write_stage
 from uqbench.records.runfolder import RunExistsError, RunFolder, finished
 from uqbench.runner import checkpoints
 from uqbench.runner.engine import resolve_device
-from uqbench.runner.evaluation import predict_splits, score
+from uqbench.runner.evaluation import Splits, predict_splits, score
 from uqbench.runner.parts import build_parts, environment, method_diagnostics, seed_and_threads
 
 log = logging.getLogger("uqbench")
@@ -35,30 +37,32 @@ log = logging.getLogger("uqbench")
 def eval_job(cfg: DictConfig) -> dict[str, Any]:
     """``job=eval``: score a finished run on a dataset; return the results (also on disk)."""
     run_dir = Path(str(cfg.eval_run)).expanduser() if cfg.get("eval_run") else Path(cfg.run_dir)
-    stored, sources = _sources(run_dir)
+    stored, scored_run, sources = _sources(run_dir)
     chosen, changed = _dataset_overrides(cfg)
     configs = {s: _eval_config(cfg, c, chosen, changed) for s, c in sources.items()}
     run_cfg = _eval_config(cfg, stored, chosen, changed)
     device, fallback = resolve_device(str(cfg.device))
     out = run_dir / "eval" / ",".join([str(run_cfg.dataset.name), *(
-        f"{k}={OmegaConf.select(cfg, k)}" for k in changed)])
+        f"{k}={OmegaConf.select(cfg, k)}" for k in changed), *_restricted(cfg)])
     with RunFolder(out, lock_on=run_dir) as folder:
         if (kept := _kept(cfg, out)) is not None:
             return kept
         start = time.perf_counter()
-        predictions, data, task, diagnostics = _predict(configs, device)
-        metrics, calibration = score(predictions, task, data.eval_splits, data.ood_splits)
+        predictions, data, splits, task, diagnostics = _predict(configs, device)
+        metrics, calibration = score(predictions, task, splits.eval, splits.ood)
         metrics.update(diagnostics)
         results = {"job": "eval", "of_run": str(run_dir), "experiment": run_cfg.experiment_name,
                    "run": run_cfg.run_subdir, "dataset": str(run_cfg.dataset.name),
                    "method": str(run_cfg.method.name), "backbone": str(run_cfg.backbone.name),
                    "seed": int(run_cfg.seed), "scored_from": [str(s) for s in sources],
+                   "eval_splits": _resolved(run_cfg.get("eval_splits")),
                    "settings": {"dataset": group_settings(run_cfg.dataset) | data.settings(),
                                 "task": group_settings(run_cfg.task)},
                    "metrics": metrics, "calibration": calibration,
                    "time": {"eval_s": time.perf_counter() - start},
                    "environment": environment(),
-                   "device": str(device), "device_note": fallback}
+                   "device": str(device), "device_note": fallback,
+                   "recipe": scored_run.get("recipe") or {}}  # the scored run's choices
         run_config = cast(dict[str, Any], OmegaConf.to_container(run_cfg, resolve=True))
         with folder.staging() as stage:
             write_stage(stage, run_config, results, predictions if cfg.save_predictions else {})
@@ -67,9 +71,10 @@ def eval_job(cfg: DictConfig) -> dict[str, Any]:
     return results
 
 
-def _sources(run_dir: Path) -> tuple[dict[str, Any], dict[Path, dict[str, Any]]]:
-    """The scored run's stored config, and the folders whose checkpoints make up its model
-    (the run's own, or its members') with their stored configs."""
+def _sources(run_dir: Path
+             ) -> tuple[dict[str, Any], dict[str, Any], dict[Path, dict[str, Any]]]:
+    """The scored run's stored config and results, and the folders whose checkpoints make up
+    its model (the run's own, or its members') with their stored configs."""
     stored, scored = finished(run_dir, ": job=eval needs a finished run (eval_run=<run folder> "
                                        "names the run to score)")
     members = [Path(str(stored["paths"]["runs_dir"])) / m
@@ -81,7 +86,19 @@ def _sources(run_dir: Path) -> tuple[dict[str, Any], dict[Path, dict[str, Any]]]
                 f"{source} has no {checkpoints.FINAL}: it was trained without keeping one "
                 f"(trainer.keep_checkpoint=none, or before runs kept checkpoints). Train it "
                 f"again (overwrite=true) to score it on other data")
-    return stored, sources
+    return stored, scored, sources
+
+
+def _restricted(cfg: DictConfig) -> list[str]:
+    """The eval folder's name part for restricted splits (``eval_splits=[val]``), or none."""
+    splits = cfg.get("eval_splits")
+    return [] if splits is None else [
+        "eval_splits=[" + ",".join(str(s).replace("/", "_") for s in splits) + "]"]
+
+
+def _resolved(value: Any) -> Any:
+    """A config value as plain data (a list for a ListConfig)."""
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
 
 
 def _kept(cfg: DictConfig, out: Path) -> dict[str, Any] | None:
@@ -96,22 +113,24 @@ def _kept(cfg: DictConfig, out: Path) -> dict[str, Any] | None:
 
 
 def _predict(configs: dict[Path, DictConfig], device: torch.device
-             ) -> tuple[dict[str, Any], Any, Any, dict[str, float]]:
-    """Predictions of every split (members' joined in member order), the data and task that
-    score them, and the method's own diagnostics (a model from one checkpoint only)."""
+             ) -> tuple[dict[str, Any], Any, Splits, Any, dict[str, float]]:
+    """Predictions of the splits scored (members' joined in member order), the data, those
+    splits and the task that scores them, and the method's own diagnostics (a model from one
+    checkpoint only)."""
     parts = []
     for source, source_cfg in configs.items():
         state = checkpoints.load(source / checkpoints.FINAL)
         seed_and_threads(source_cfg)
-        method, data, task, _ = build_parts(source_cfg, device)
+        method, data, task, _, splits = build_parts(source_cfg, device)
         method.load_trainable_state({k: v.to(device) for k, v in state["trainable"].items()})
-        parts.append(predict_splits(method, data, task, device))
+        parts.append(predict_splits(method, data, task, device, splits))
     # a model scored from one checkpoint can check itself; members combined cannot
-    diagnostics = method_diagnostics(method, data, device) if len(parts) == 1 else {}
+    diagnostics = (method_diagnostics(method, data, device, scored=splits.eval)
+                   if len(parts) == 1 else {})
     predictions = parts[0] if len(parts) == 1 else {
         split: {k: (np.concatenate([p[split][k] for p in parts]) if k == "member_probs"
                     else v) for k, v in parts[0][split].items()} for split in parts[0]}
-    return predictions, data, task, diagnostics
+    return predictions, data, splits, task, diagnostics
 
 
 def _track(cfg: DictConfig, run_cfg: DictConfig, run_config: dict[str, Any],
@@ -135,7 +154,7 @@ def _eval_config(cfg: DictConfig, stored: dict, chosen: bool, changed: list[str]
         run_cfg.dataset, run_cfg.task = cfg.dataset, cfg.task
     for key in changed:  # dataset.<key>=<value>: on top of the run's dataset
         OmegaConf.update(run_cfg, key, OmegaConf.select(cfg, key), force_add=True)
-    for key in ("device", "save_predictions"):
+    for key in ("device", "save_predictions", "eval_splits"):
         run_cfg[key] = cfg.get(key)
     if cfg.get("torch_threads") is not None:  # else the run's own: the same float reductions
         run_cfg.torch_threads = cfg.torch_threads

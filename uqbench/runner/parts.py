@@ -1,22 +1,25 @@
 """What every job of the runner checks and builds: the whole config's types and choices, the
-seeds, the environment a run records, and the method, data, task and backbone of a config,
-checked against each other before anything expensive is read or built.
+seeds, the environment and the recipe entries a run records, and the method, data, task and
+backbone of a config, checked against each other (and the splits it scores against the data)
+before anything expensive is read or built.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
 from uqbench.configs import build, check_types, check_value, options_where
 from uqbench.contracts import to_device
 from uqbench.methods.base import Method
 from uqbench.runner import objective
 from uqbench.runner.engine import resolve_device
+from uqbench.runner.evaluation import Splits, chosen_splits
 
 JOBS = ("train", "params", "eval")
 DIAGNOSTIC_INPUTS = 256  # test inputs handed to Method.diagnostics
@@ -35,10 +38,23 @@ def check_config(cfg: DictConfig) -> None:
     resolve_device(str(cfg.device))
     if cfg.get("job", "train") not in JOBS:
         raise ValueError(f"job '{cfg.job}' is not one of: {', '.join(JOBS)}")
+    check_eval_splits(cfg.get("eval_splits"))
     if cfg.get("job", "train") == "train":
         objective.check(cfg)  # the metric a sweeper reads, before any data or model
     if isinstance(cfg.get("logger"), DictConfig):
         build(cfg.logger)  # a tracker's settings are checked as it is built (cheap, offline)
+
+
+def check_eval_splits(value: Any) -> None:
+    """``eval_splits`` is null or a non-empty list of split names; the names are checked
+    against the dataset once its data is set up (:func:`build_parts`)."""
+    if value is None:
+        return
+    names = list(value) if isinstance(value, ListConfig | list | tuple) else []
+    if not names or not all(isinstance(n, str) and n for n in names):
+        shown = list(value) if isinstance(value, ListConfig) else value
+        raise ValueError(f"eval_splits must be null (every split the dataset declares) or a "
+                         f"non-empty list of split names such as [val], got {shown!r}")
 
 
 def environment() -> dict[str, Any]:
@@ -87,9 +103,10 @@ def check_tasks_agree(cfg: DictConfig, method_factory: Any, data: Any, task: Any
 
 
 def build_parts(cfg: DictConfig, device: torch.device, activation_checkpointing: bool = False
-                ) -> tuple[Any, Any, Any, Any]:
-    """Method, data, task and backbone of ``cfg`` on ``device``: cheap things first, checked
-    against each other before anything expensive is read or built."""
+                ) -> tuple[Any, Any, Any, Any, Splits]:
+    """Method, data, task and backbone of ``cfg`` on ``device``, and the splits the run scores
+    (``eval_splits``): cheap things first, checked against each other before anything expensive
+    is read or built (a split name the data lacks fails before any model is built)."""
     method_factory = build(cfg.method)
     data = build(cfg.dataset)
     task = build(cfg.task)
@@ -97,13 +114,14 @@ def build_parts(cfg: DictConfig, device: torch.device, activation_checkpointing:
     data.check()  # missing or partial data fails here, before any model is built
     backbone = build(cfg.backbone)
     data.setup(backbone)
+    splits = chosen_splits(data, cfg.get("eval_splits"))
     backbone.device = device  # methods decompose and copy pretrained weights where they run
     if activation_checkpointing and not backbone.supports_activation_checkpointing:
         backbone.enable_activation_checkpointing(None)  # refuses, naming the backbones that can
     method = method_factory(backbone=backbone, info=data.info).to(device)
     if activation_checkpointing:
         backbone.enable_activation_checkpointing(method)
-    return method, data, task, backbone
+    return method, data, task, backbone, splits
 
 
 def first_inputs(loader: Any, n: int) -> Any:
@@ -121,14 +139,54 @@ def first_inputs(loader: Any, n: int) -> Any:
 
 
 def method_diagnostics(method: Method, data: Any, device: torch.device,
-                       split: str = "test") -> dict[str, float]:
+                       split: str = "test", scored: Sequence[str] | None = None
+                       ) -> dict[str, float]:
     """The method's own diagnostics (:meth:`Method.diagnostics`) on the first
     DIAGNOSTIC_INPUTS inputs of ``split``, as ``<split>/<name>``; {} without reading any data
-    for a method that has none, or for data without that split."""
-    if type(method).diagnostics is Method.diagnostics or split not in data.eval_splits:
+    for a method that has none, or when the run does not score that split (``scored``: the
+    eval splits it scores; None: all the data declares)."""
+    scored = data.eval_splits if scored is None else scored
+    if type(method).diagnostics is Method.diagnostics or split not in scored:
         return {}
     # a loader's iterator draws its base seed from the CPU generator: keep the run's stream
     with torch.random.fork_rng(devices=[]):
         inputs = first_inputs(data.loader(split), DIAGNOSTIC_INPUTS)
     found = method.diagnostics(to_device(inputs, device))
     return {f"{split}/{name}": value for name, value in found.items()}
+
+
+def recipes_used(config: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]:
+    """The recipe entries a run used, for results.json's ``recipe`` (no part of its identity):
+    for each lookup table that is a recipe file (``provenance`` and ``choices``, as
+    ``uqbench-select --write`` makes them), the entry of the run's group (the values at the
+    recipe's ``provenance.group_by`` paths of ``results``), when the run's settings hold every
+    value chosen there: the recipe's file, the group, the chosen values and the keys chosen
+    at the edge of their grid (tables mark those rows). A run that set its own value did not
+    use the entry."""
+    used: dict[str, Any] = {}
+    for name, table in (config.get("lookup") or {}).items():
+        if not (isinstance(table, dict) and isinstance(table.get("provenance"), dict)
+                and isinstance(table.get("choices"), dict)):
+            continue
+        provenance = table["provenance"]
+        group = [str(_at(results, key)) for key in provenance.get("group_by") or []]
+        chosen = _at(table["choices"], group)
+        keys = provenance.get("keys") or {}
+        if not isinstance(chosen, dict) or not chosen or any(
+                _at(results, ["settings", *str(keys.get(k, k)).split(".")]) != v
+                for k, v in chosen.items()):
+            continue
+        details = _at(table.get("groups") or {}, group)
+        edge = details.get("edge") if isinstance(details, dict) else None
+        used[name] = {"file": provenance.get("file"), "group": group, "choices": chosen,
+                      "edge": list(edge or [])}
+    return used
+
+
+def _at(tree: Any, path: str | list[str]) -> Any:
+    """The value at a dotted path (or a list of keys) in nested mappings; None where absent."""
+    for part in path.split(".") if isinstance(path, str) else path:
+        if not isinstance(tree, dict) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree

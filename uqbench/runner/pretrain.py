@@ -1,10 +1,10 @@
 """Pretrain the digits ViTs (`uqbench-pretrain`) and measure each level's linear probe.
 
-    uqbench-pretrain                       # every level, pretraining seeds 0 1 2
-    uqbench-pretrain strong --seeds 0 --force   # rebuild one level and seed
-    uqbench-pretrain --jobs 2              # two pretrainings at a time (one thread each)
-    uqbench-pretrain --cache-dir DIR       # default: $UQBENCH_CACHE or .cache/uqbench,
-                                           # the runner's paths.cache_dir
+    uqbench-pretrain                            # every level, pretraining seeds 0 1 2
+    uqbench-pretrain other --seeds 0 --force    # rebuild one level and seed
+    uqbench-pretrain --jobs 2 --cache-dir DIR   # two at a time; default dir: $UQBENCH_CACHE
+                                                # or .cache/uqbench (the runner's cache_dir)
+    uqbench-pretrain --design                   # choose the design on validation
 
 A pretrained level (:data:`~uqbench.backbones.digits_vit.RECIPES`) is trained supervised on the
 600 pretraining images (digits 0–4, :func:`~uqbench.data.digits.digits_splits`; never the
@@ -49,6 +49,7 @@ from torchvision import transforms as T
 from uqbench.backbones.digits_vit import (
     ARCHITECTURE,
     DEFAULT_SPLIT,
+    DESIGN_FILE,
     LEVELS,
     MODEL,
     build_command,
@@ -74,8 +75,7 @@ from uqbench.errors import user_errors
 
 @dataclass
 class Pretrained:
-    """One level and seed in the cache: weights (None for random), sidecar, its content, and
-    whether this call trained it (False: reused from the cache)."""
+    """A level and seed in the cache: weights (None: random), sidecar, its content, built now?"""
 
     level: str
     seed: int
@@ -101,8 +101,7 @@ def _split_tensors(data: DigitsData, split: str) -> tuple[torch.Tensor, torch.Te
     """A split's images (N, 3, H, W) and labels (N,)."""
     dataset = data.dataset(split)
     assert isinstance(dataset, TensorDataset)  # DigitsData holds every split in memory
-    images, labels = dataset.tensors
-    return images, labels
+    return dataset.tensors[0], dataset.tensors[1]
 
 
 def linear_probe(encoder: nn.Module, split: dict[str, Any], max_images: int | None = None
@@ -205,8 +204,7 @@ def _write_json(path: Path, content: dict[str, Any]) -> None:
 
 @contextmanager
 def deterministic(threads: int | None) -> Iterator[None]:
-    """Run with ``n`` intra-op threads (None: unchanged) and torch's deterministic algorithms,
-    then restore both."""
+    """Run with ``threads`` intra-op threads (None: as is) and deterministic algorithms."""
     before, strict = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     if threads:
         torch.set_num_threads(int(threads))
@@ -228,9 +226,8 @@ def pretrain(level: str, cache_dir: str | Path, split: dict[str, Any] | None = N
     split: the digits split ({split_seed, kind_fraction}; default: the dataset's defaults).
     recipe: replaces the level's recipe; max_images: pretraining and probe images per split
     (both for quick checks; both change the fingerprint, so they never shadow a real level).
-    threads: torch threads while training; 1 by default because this model is so small that
-    a second thread only adds synchronisation (a step is ~20× slower with 2 busy cores).
-    """
+    threads: torch threads while training; 1 by default: for this tiny model a second thread
+    only adds synchronisation (a step is ~20× slower with 2 busy cores)."""
     with deterministic(threads):
         return _pretrain(level, cache_dir, dict(DEFAULT_SPLIT if split is None else split),
                          int(seed), force, recipe, max_images, log)
@@ -310,12 +307,25 @@ def main(argv: list[str] | None = None) -> None:
                         help="torch threads per pretraining (default 1: fastest for this model)")
     parser.add_argument("--jobs", type=int, default=1,
                         help="pretrainings at a time, each in its own process (default 1)")
+    parser.add_argument("--design", action="store_true",
+                        help="choose the design (pooling, augmentation) on the validation "
+                             f"probe of the 'other' level and rewrite {DESIGN_FILE.name}")
     args = parser.parse_args(argv)
     bad = [lv for lv in args.levels if lv not in LEVELS]
     if bad:
         parser.error(f"unknown level(s) {bad}; valid: {', '.join(LEVELS)}")
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
+    if args.design:
+        from uqbench.runner.pretrain_design import choose_design, write_design
+
+        recipe = choose_design(pretrain, args.cache_dir, seeds=tuple(args.seeds), jobs=args.jobs,
+                               threads=args.threads)
+        write_design(recipe)
+        for cand in recipe["provenance"]["candidates"]:
+            print(f"  {cand}")
+        print(f"chosen: {recipe['choices']} → {DESIGN_FILE}")
+        return
     split = {"split_seed": args.split_seed, "kind_fraction": args.kind_fraction}
     jobs = [(level, seed, args.cache_dir, split, args.force, args.threads)
             for level in dict.fromkeys(args.levels) for seed in dict.fromkeys(args.seeds)]

@@ -32,9 +32,9 @@ from uqbench.identity import differences
 from uqbench.records.loggers import Logger, NullLogger, RunLabels, log_results, run_labels
 from uqbench.records.results import group_choices, group_settings, run_header, write_stage
 from uqbench.records.runfolder import ConfigMismatchError, RunExistsError, RunFolder
-from uqbench.runner import checkpoints, engine, objective
+from uqbench.runner import checkpoints, engine, objective, parts
 from uqbench.runner.engine import resolve_device
-from uqbench.runner.evaluation import evaluate, forward_cost
+from uqbench.runner.evaluation import Splits, evaluate, forward_cost
 from uqbench.runner.parts import (
     build_parts,
     environment,
@@ -160,7 +160,7 @@ def resume_point(cfg: DictConfig, run_dir: Path, config: dict) -> Path | None:
 
 @dataclass
 class Built:
-    """What a process built: the method, its Fabric-wrapped model, data, task and backbone."""
+    """What a process built: the method, its Fabric-wrapped model, data, task, backbone, splits."""
 
     method: Any
     model: Any
@@ -168,6 +168,7 @@ class Built:
     task: Any
     backbone: Any
     params: dict[str, Any]
+    splits: Splits
 
 
 @dataclass
@@ -205,7 +206,8 @@ def _train(fabric: Any, cfg: DictConfig, folder: RunFolder, trainer: Any, header
             return None
         results = _results(cfg, config, header, trainer, fabric, fallback, built, train, scored)
         final = _final_checkpoint(folder.run_dir, config, cfg, trainer, trained) if keep else None
-        draw = _drawer(cfg, built, scored, fabric.device) if cfg.plot else None
+        plot = cfg.plot and built.splits.every  # the figures draw the test and OOD data
+        draw = _drawer(cfg, built, scored, fabric.device) if plot else None
         publish_run(cfg, folder, config, results, scored.predictions, draw, logger, final)
         shutil.rmtree(folder.run_dir / Path(checkpoints.RESUME).parent, ignore_errors=True)
     finally:
@@ -221,13 +223,13 @@ def _start_process(cfg: DictConfig, device: torch.device) -> None:
 
 
 def _build(fabric: Any, cfg: DictConfig, trainer: Any) -> Built:
-    method, data, task, backbone = build_parts(cfg, fabric.device,
-                                               trainer.activation_checkpointing)
+    method, data, task, backbone, splits = build_parts(cfg, fabric.device,
+                                                       trainer.activation_checkpointing)
     objective.check_split(cfg.get("objective"), data, str(cfg.dataset.name))
     params = method.param_counts()  # whole tensors: before FSDP shards them
     model = fabric.setup_module(method)
     model.mark_forward_method("loss")
-    return Built(method, model, data, task, backbone, params)
+    return Built(method, model, data, task, backbone, params, splits)
 
 
 def _saver(folder: RunFolder, config: dict, rank0: bool) -> Callable[[dict[str, Any]], None]:
@@ -252,9 +254,10 @@ def _fit(fabric: Any, trainer: Any, built: Built, logger: Logger, resume: dict |
 
 def _score(built: Built, device: torch.device) -> Scored:
     start = time.perf_counter()
-    metrics, predictions, calibration = evaluate(built.model, built.data, built.task, device)
+    metrics, predictions, calibration = evaluate(built.model, built.data, built.task, device,
+                                                 built.splits)
     eval_s = time.perf_counter() - start
-    cost = forward_cost(built.model, built.data, device)
+    cost = forward_cost(built.model, built.data, device, built.splits.cost_split)
     return Scored(metrics, predictions, calibration, eval_s, cost)
 
 
@@ -264,10 +267,11 @@ def _results(cfg: DictConfig, config: dict, header: dict, trainer: Any, fabric: 
     """results.json of a training job (rank 0 runs the method's own diagnostics first)."""
     method, data, metrics = built.method, built.data, scored.metrics
     start = time.perf_counter()
-    metrics.update(method_diagnostics(method, data, fabric.device))
+    metrics.update(method_diagnostics(method, data, fabric.device, scored=built.splits.eval))
     diagnostics_s = time.perf_counter() - start
-    return {
+    results = {
         **header,
+        "eval_splits": config.get("eval_splits"),
         "settings": {
             "dataset": group_settings(cfg.dataset) | data.settings(),
             "method": group_settings(cfg.method) | method.settings(),
@@ -284,6 +288,8 @@ def _results(cfg: DictConfig, config: dict, header: dict, trainer: Any, fabric: 
         "cost": scored.cost,
         "environment": environment(),
         "train": {"epochs": train["epochs"], "selected_epoch": train["selected_epoch"],
+                  "selected_by": train.get("selected_by"),
+                  "selected_value": train.get("selected_value"),
                   "updated_weights": trainer.updates_weights,
                   "device": str(fabric.device), "device_note": fallback,
                   "precision": trainer.precision, "strategy": type(fabric.strategy).__name__,
@@ -291,6 +297,7 @@ def _results(cfg: DictConfig, config: dict, header: dict, trainer: Any, fabric: 
                   "steps_run": train["steps_run"], "resumed_at": train.get("resumed_at")},
         "table": config.get("table"),
     }
+    return results | {"recipe": parts.recipes_used(config, results)}  # the rows a table marks
 
 
 def _final_checkpoint(run_dir: Path, config: dict, cfg: DictConfig, trainer: Any,

@@ -39,10 +39,12 @@ if TYPE_CHECKING:  # types only: the loop takes a built method, data and task fr
 # the annotations, the constructor checks a Trainer built in code against the same tuples.
 Schedule = Literal["constant", "cosine"]
 Selection = Literal["last", "best"]
+SelectMetric = Literal["nll", "acc"]  # what select=best ranks epochs by: lowest nll, highest acc
 DecayTarget = Literal["zero", "init"]
 KeepCheckpoint = Literal["trainable", "full", "none"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 SELECTIONS: tuple[str, ...] = get_args(Selection)
+SELECT_METRICS: tuple[str, ...] = get_args(SelectMetric)
 DECAY_TARGETS: tuple[str, ...] = get_args(DecayTarget)
 KEEP_CHECKPOINT: tuple[str, ...] = get_args(KeepCheckpoint)
 PROGRESS = ("auto", "bar", "lines", "none")
@@ -100,9 +102,12 @@ class Trainer:
     dataset's). grad_clip: max gradient norm or None, applied to each member's gradient on its
     own (:func:`clip_groups`): one member's large gradient never shrinks another's step.
     warmup_epochs / warmup_steps: linear warm-up, in epochs or (when set) optimiser steps.
-    schedule: constant | cosine after the warm-up. select: last | best (lowest validation loss,
-    trainable parameters only). val_every: epochs between validation passes. progress: auto (a bar
-    on a terminal, one line per epoch otherwise) | bar | lines | none (:func:`progress_mode`).
+    schedule: constant | cosine after the warm-up. select: last | best (the trainable parameters
+    of the best validated epoch). select_metric: what best means: nll (the lowest validation
+    loss, the task's ``val_loss``) | acc (the highest validation accuracy; of equal ones the
+    earlier epoch, as with equal losses). val_every: epochs between validation passes (only
+    validated epochs can be selected). progress: auto (a bar on a terminal, one line per epoch
+    otherwise) | bar | lines | none (:func:`progress_mode`).
     decay_to: zero or None (the optimiser's own weight decay, toward 0) | init (decoupled weight
     decay toward the values training started from — for SVE the pretrained spectrum, for full
     fine-tuning the pretrained weights: p ← p − lr·wd·(p − p₀) after each step, with the
@@ -113,7 +118,8 @@ class Trainer:
                  batch_size: int | None = None, grad_clip: float | None = None,
                  warmup_epochs: int = 0, warmup_steps: int | None = None,
                  schedule: Schedule = "constant",
-                 select: Selection = "last", val_every: int = 10, progress: bool | str = "auto",
+                 select: Selection = "last", select_metric: SelectMetric = "nll",
+                 val_every: int = 10, progress: bool | str = "auto",
                  decay_to: DecayTarget | None = None, precision: str | int = "32",
                  strategy: Strategy = "auto", devices: int = 1, num_nodes: int = 1,
                  accumulate: int = 1, activation_checkpointing: bool = False,
@@ -125,6 +131,9 @@ class Trainer:
             raise ValueError(f"trainer.schedule '{schedule}' is not one of {SCHEDULES}")
         if select not in SELECTIONS:
             raise ValueError(f"trainer.select '{select}' is not one of {SELECTIONS}")
+        if select_metric not in SELECT_METRICS:
+            raise ValueError(f"trainer.select_metric '{select_metric}' is not one of "
+                             f"{SELECT_METRICS}")
         if grad_clip is not None and grad_clip <= 0:
             raise ValueError(f"trainer.grad_clip must be > 0 or null, got {grad_clip}")
         if warmup_steps is not None and int(warmup_steps) < 0:
@@ -142,7 +151,7 @@ class Trainer:
         self.batch_size = None if batch_size is None else int(batch_size)
         self.warmup_epochs = int(warmup_epochs)
         self.warmup_steps = None if warmup_steps is None else int(warmup_steps)
-        self.schedule, self.select = schedule, select
+        self.schedule, self.select, self.select_metric = schedule, select, select_metric
         progress_mode(progress, tty=False)  # refuses an unknown mode when the trainer is built
         self.val_every, self.progress = int(val_every), progress
         self.decay_to = decay_to
@@ -164,6 +173,16 @@ class Trainer:
         self.activation_checkpointing = bool(activation_checkpointing)
         self.checkpoint_every = None if checkpoint_every is None else int(checkpoint_every)
         self.keep_checkpoint = keep_checkpoint
+
+    def check_task(self, task: Task) -> None:
+        """Refuse a selection metric the task does not compute (acc of a regression task)
+        before anything trains."""
+        key = f"val/{self.select_metric}"
+        if self.select == "best" and key not in task.metric_names("val"):
+            known = tuple(m for m in SELECT_METRICS if f"val/{m}" in task.metric_names("val"))
+            raise ValueError(f"trainer.select_metric '{self.select_metric}' is not a metric of "
+                             f"the {task.name} task; with trainer.select=best choose one of "
+                             f"{known}")
 
     @property
     def world_size(self) -> int:
@@ -193,12 +212,14 @@ class Trainer:
         streams and position. ``stop()`` is asked after every step (a preemption signal): the
         loop then saves and raises :class:`Preempted`.
         """
+        self.check_task(task)
         params = [p for p in method.parameters() if p.requires_grad]
         if not params and self.epochs > 0:
             raise ValueError(f"method '{method.name}' has no trainable parameters")
         start = time.perf_counter()
         if self.epochs == 0:
-            return {"epochs": 0, "train_s": 0.0, "selected_epoch": 0, "steps_run": 0}
+            return {"epochs": 0, "train_s": 0.0, "selected_epoch": 0, "selected_by": "last",
+                    "selected_value": None, "steps_run": 0}
         if fabric is None:  # no runner: this process, on the device the method is on
             fabric = engine.fabric(next(method.parameters()).device, self)
             model = fabric.setup_module(method)
@@ -227,7 +248,10 @@ class _Loop:
         self.sizes = self._step_sizes()
         self.scheduler = self._schedule()
         # the position of a fresh fit: epoch 1, step 0 (resume() moves it)
-        self.best: dict[str, Any] = {"loss": math.inf, "epoch": trainer.epochs, "state": None}
+        # select=best: the best validated epoch so far; "loss" is its selection metric oriented
+        # so that lower is better (−acc), "value" the metric itself
+        self.best: dict[str, Any] = {"loss": math.inf, "value": None, "epoch": trainer.epochs,
+                                     "state": None}
         self.first_epoch, self.skip, self.running, self.n, self.elapsed = 1, 0, 0.0, 0, 0.0
         self.epoch_rng: dict[str, Any] | None = None    # the data order of the epoch running
         self.resumed_rng: dict[str, Any] | None = None  # the streams where a checkpoint left
@@ -374,22 +398,37 @@ class _Loop:
         return log
 
     def _validate(self, epoch: int) -> dict[str, float]:
-        """The validation metrics; with select=best, keep the weights of the lowest val loss."""
+        """The validation metrics; with select=best, keep the weights of the best epoch."""
         # Task.predict reads any loader (TensorBatches too), whatever its annotation says
         preds = self.task.predict(self.model, self.data.loader("val"),  # type: ignore[arg-type]
                                   self.fabric.device)
         val = self.task.metrics("val", preds)
-        val_loss = self.task.val_loss(preds)
-        if self.trainer.select == "best" and val_loss < self.best["loss"]:
-            self.best = {"loss": val_loss, "epoch": epoch,
-                         "state": engine.trainable_state(self.fabric, self.model, self.method)}
+        if self.trainer.select == "best":
+            self._keep_if_best(epoch, preds, val)
         return val
 
+    def _keep_if_best(self, epoch: int, preds: Any, val: dict[str, float]) -> None:
+        """Keep this epoch's weights if its selection metric beats every earlier validated
+        epoch's: strictly, so that of equal ones the earlier epoch stays. nll is the task's
+        ``val_loss`` (the predictive distribution's NLL under ``task.aggregation``)."""
+        metric = self.trainer.select_metric
+        value = self.task.val_loss(preds) if metric == "nll" else val[f"val/{metric}"]
+        loss = -value if self.task.direction(f"val/{metric}") == "maximize" else value
+        if loss < self.best["loss"]:
+            self.best = {"loss": loss, "value": value, "epoch": epoch,
+                         "state": engine.trainable_state(self.fabric, self.model, self.method)}
+
     def outcome(self, resume: dict[str, Any] | None) -> dict[str, Any]:
-        """The fit's timing, model-selection and resumption facts."""
+        """The fit's timing, model-selection and resumption facts: the epoch whose weights were
+        kept, and by what (``last``, or the validation metric of select=best and its value
+        there; ``last`` too where no epoch was validated)."""
+        chosen = self.best["state"] is not None
         return {"epochs": self.trainer.epochs,
                 "train_s": self.elapsed + time.perf_counter() - self.start,
-                "selected_epoch": self.best["epoch"], "steps_run": self.steps_run,
+                "selected_epoch": self.best["epoch"],
+                "selected_by": f"val/{self.trainer.select_metric}" if chosen else "last",
+                "selected_value": self.best.get("value") if chosen else None,
+                "steps_run": self.steps_run,
                 "resumed_at": None if resume is None else
                 {"epoch": resume["epoch"] + int(resume["epoch_done"]),
                  "step": 0 if resume["epoch_done"] else resume["step"],
