@@ -84,7 +84,7 @@ clean-runs:  ## Delete runs/ (asks first)
 	@read -p "Delete everything under runs/? [y/N] " a && [ "$$a" = y ] && rm -rf runs/*/ || echo kept
 
 .PHONY: digits-pretrain p1-digits-select p1-digits-lr p1-digits p1-digits-conventions
-digits-pretrain: $(STAMP)  ## Pretrain the digits ViTs (3 levels x 3 seeds) into the cache; print each one's validation probe
+digits-pretrain: $(STAMP)  ## Pretrain the digits ViTs (3 pretrained levels x 3 seeds, and the random level's probes); print each validation probe
 	$(BIN)/uqbench-pretrain --jobs 2
 
 DIGITS_SWEEP := skip_existing=true trainer.progress=false hydra/launcher=local
@@ -96,6 +96,11 @@ p1-digits-select: digits-pretrain  ## The digits benchmark's selection sweep (va
 	$(BIN)/uqbench experiment=p1_digits_select method=lora_ensemble $(DIGITS_SWEEP)
 	$(BIN)/uqbench experiment=p1_digits_select method=sve $(DIGITS_SWEEP)
 	$(BIN)/uqbench experiment=p1_digits_select method=svf $(DIGITS_SWEEP)
+	@# the choices the family grids left at an edge, each grid extended one step past it
+	$(BIN)/uqbench experiment=p1_digits_select method=sve,svf backbone=digits_vit_foundation \
+		trainer.optimizer.lr=3e-3 trainer.decay_to=zero,init $(DIGITS_SWEEP)
+	$(BIN)/uqbench experiment=p1_digits_select method=deep_ensemble backbone=digits_vit_near \
+		trainer.optimizer.lr=3e-2 $(DIGITS_SWEEP)
 	$(BIN)/uqbench-select p1_digits_select --metric val/nll \
 		--key trainer.optimizer.lr --key trainer.decay_to --write conf/recipe/p1_digits.yaml
 

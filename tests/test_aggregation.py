@@ -181,3 +181,26 @@ def test_a_run_records_and_uses_its_aggregation_and_selection(tmp_path):
     assert res["metrics"]["test/acc"] == pytest.approx(np.mean(p.argmax(-1) == labels), abs=1e-9)
     assert res["metrics"]["test/nll"] == pytest.approx(
         -np.log(p[np.arange(len(labels)), labels]).mean(), rel=1e-5)
+
+
+def test_scoring_a_run_on_another_dataset_keeps_its_own_scoring_options():
+    """job=eval dataset=<other>: a run trained with mean_logits is scored with mean_logits
+    (and its ECE bins), not the command's task defaults; another kind of task is the
+    command's."""
+    from omegaconf import OmegaConf
+
+    from uqbench.runner.eval_job import _eval_config
+
+    target = "uqbench.tasks.classification.ClassificationTask"
+    stored = {"task": {"_target_": target, "ece_bins": 10, "aggregation": "mean_logits"},
+              "dataset": {"name": "digits"}, "device": "cpu"}
+    cfg = OmegaConf.create({"task": {"_target_": target, "ece_bins": 15,
+                                     "aggregation": "mean_probs"},
+                            "dataset": {"name": "fake_images"}, "device": "cpu",
+                            "save_predictions": False, "eval_splits": None,
+                            "torch_threads": None})
+    run_cfg = _eval_config(cfg, stored, chosen=True, changed=[])
+    assert run_cfg.dataset.name == "fake_images"
+    assert (run_cfg.task.aggregation, run_cfg.task.ece_bins) == ("mean_logits", 10)
+    other = OmegaConf.merge(cfg, {"task": {"_target_": "some.other.Task"}})
+    assert _eval_config(other, stored, chosen=True, changed=[]).task.aggregation == "mean_probs"

@@ -208,7 +208,7 @@ def test_a_cell_of_uqbench_tables_renders_as_its_markdown_shows(tmp_path):
             "columns": [{"key": "metrics.test/nll", "title": "test NLL", "fmt": ".3f"}],
             "claims": [{"claim": "embedded worse", "kind": "greater", "key": "metrics.test/nll",
                         "a": {"variance": "embedded"}, "b": {"variance": "learned"}}]}
-    nll = {"embedded": [1.0, 2.0, 4.0], "learned": [0.5, 0.5, 1.1]}
+    nll = {"embedded": [1.0, 2.0, 4.0], "learned": [0.5, 1.5, 3.4]}
     for variance, values in nll.items():
         for seed, value in enumerate(values):
             path = tmp_path / "runs" / "toy" / variance / f"seed{seed}" / "results.json"
@@ -220,7 +220,8 @@ def test_a_cell_of_uqbench_tables_renders_as_its_markdown_shows(tmp_path):
     page = render("<!-- n: toy.csv | variance=embedded | test NLL | .3f -->?<!-- /n --> "
                   "<!-- n: toy_claims.csv | claim=embedded worse | verdict -->?<!-- /n -->\n"
                   "<!-- table: toy.md | toy -->\n<!-- /table -->\n", tmp_path / "tables")
-    # per seed embedded − learned = 0.5, 1.5, 2.9: > 0 in every seed
+    # per seed embedded − learned = 0.5, 0.5, 0.6: mean 0.533, 90 % Student-t interval
+    # 0.533 ± 2.920 · 0.0577/√3 = [0.436, 0.631] (scipy), wholly above 0: holds
     assert cited(page) == ["2.333 ± 1.528", "holds"]
     assert "| embedded   | 2.333 ± 1.528 |" in page
 

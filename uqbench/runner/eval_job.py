@@ -151,7 +151,12 @@ def _eval_config(cfg: DictConfig, stored: dict, chosen: bool, changed: list[str]
     choices put in."""
     run_cfg = OmegaConf.create(stored)
     if chosen:  # another dataset: its config and task from the command
-        run_cfg.dataset, run_cfg.task = cfg.dataset, cfg.task
+        task = cfg.task
+        if stored.get("task", {}).get("_target_") == cfg.task.get("_target_"):
+            # the same kind of task: the run's own scoring options (aggregation, ECE bins)
+            # stay, unless the command sets them (task.<key>=…)
+            task = OmegaConf.merge(stored["task"], {k: cfg.task[k] for k in _task_overrides()})
+        run_cfg.dataset, run_cfg.task = cfg.dataset, task
     for key in changed:  # dataset.<key>=<value>: on top of the run's dataset
         OmegaConf.update(run_cfg, key, OmegaConf.select(cfg, key), force_add=True)
     for key in ("device", "save_predictions", "eval_splits"):
@@ -159,6 +164,16 @@ def _eval_config(cfg: DictConfig, stored: dict, chosen: bool, changed: list[str]
     if cfg.get("torch_threads") is not None:  # else the run's own: the same float reductions
         run_cfg.torch_threads = cfg.torch_threads
     return run_cfg
+
+
+def _task_overrides() -> list[str]:
+    """The ``task.<key>`` names the command set (none without Hydra's command line)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []
+    keys = [o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task]
+    return sorted(k.split(".", 1)[1] for k in keys if k.startswith("task."))
 
 
 def _dataset_overrides(cfg: DictConfig) -> tuple[bool, list[str]]:

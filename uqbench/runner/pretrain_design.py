@@ -51,7 +51,7 @@ def choose_design(build: Callable[..., Any], cache_dir: str | Path, level: str =
     ties = [{k: c[k] for k in keys} for c in scored
             if c is not best and c["probe_mean"] == best["probe_mean"]]
     return {"provenance": {
-        "command": "uqbench-pretrain --design",
+        "command": "uqbench-pretrain --design --seeds " + " ".join(map(str, seeds)),
         "date": time.strftime("%Y-%m-%d"),
         "level": level, "seeds": list(seeds),
         "metric": "linear probe accuracy on the downstream validation split (higher wins)",

@@ -80,8 +80,7 @@ def _params(cfg: DictConfig, folder: RunFolder) -> dict[str, Any]:
 # --- the training job: checks, then one launch per process ----------------------------------
 
 def _launch(cfg: DictConfig, folder: RunFolder) -> dict[str, Any]:
-    """Check the trainer against this machine, reuse a finished run, find the checkpoint to
-    continue from, then launch :func:`_train` in every process of the job."""
+    """Check the trainer, reuse a finished run, find the checkpoint, launch :func:`_train`."""
     trainer = build(cfg.trainer)  # checks its own settings (uqbench.runner.training.Trainer)
     if trainer.batch_size is not None:  # the recipe's batch, recorded where it acts
         cfg.dataset.batch_size = trainer.batch_size
@@ -111,8 +110,7 @@ def _launch(cfg: DictConfig, folder: RunFolder) -> dict[str, Any]:
 
 
 def reuse(cfg: DictConfig, folder: RunFolder) -> dict[str, Any] | None:
-    """A finished run's results where skip_existing may return them; None where this job
-    runs. Refuses a folder holding another configuration, whatever the flags."""
+    """A finished run's results skip_existing may return; None: run. Refuses another config."""
     kept = folder.reuse(_resolved(cfg), cfg.overwrite, cfg.skip_existing)
     if kept is not None:
         log.info("skip: %s holds this configuration's results (skip_existing=true)",
