@@ -113,3 +113,21 @@ p1-digits: digits-pretrain  ## P1 on real digits: 6 methods x 4 backbone levels 
 p1-digits-conventions: digits-pretrain  ## P1's code conventions on the foundation-grade digits level; table and claims
 	$(BIN)/uqbench experiment=p1_digits_conventions $(DIGITS_SWEEP)
 	$(BIN)/uqbench-tables --experiment p1_digits_conventions
+
+.PHONY: p2-select
+P2_SWEEP := hydra/launcher=local skip_existing=true trainer.progress=false
+
+# P2's three selection sweeps (validation only), each followed by the recipe file it writes
+# (the grids and the reasons for them are in the experiment configs). In this order: the
+# prior/KL and diabetes sweeps run under the ρ₀ the first one chose (conf/method/bnn.yaml).
+p2-select: $(STAMP)  ## P2's selection sweeps (rho_0; prior and KL weight; diabetes KL) on validation; writes conf/recipe/p2_*.yaml
+	$(BIN)/uqbench experiment=p2_rho_select $(P2_SWEEP)
+	$(BIN)/uqbench-select p2_rho_select --key method.rho_init --metric val/nll --group-by none \
+		--write conf/recipe/p2_rho.yaml
+	$(BIN)/uqbench experiment=p2_calibration_select $(P2_SWEEP)
+	$(BIN)/uqbench-select p2_calibration_select --key method.prior --key method.kl_scale \
+		--metric val/nll --group-by none --require-each val/coverage_2sigma=0.90:0.99 \
+		--write conf/recipe/p2_bnn.yaml
+	$(BIN)/uqbench experiment=p2_diabetes_select $(P2_SWEEP)
+	$(BIN)/uqbench-select p2_diabetes_select --key method.prior --key method.kl_scale \
+		--metric val/nll --group-by none --write conf/recipe/p2_diabetes.yaml

@@ -74,6 +74,30 @@ def test_test_folds_are_sklearns_kfold_and_partition_the_rows():
     assert [len(s) for s in seen] == [89, 89, 88, 88, 88]
 
 
+def test_val_rows_are_an_inner_split_of_each_outer_folds_training_rows():
+    """p2_diabetes_select scores the inner validation rows: for outer fold k they come from the
+    other four folds (the rows fold k trains on) and never from fold k's test rows. The folds
+    are recomputed here with scikit-learn alone."""
+    tests = [np.sort(t) for _, t in KFold(5, shuffle=True, random_state=0)
+             .split(np.arange(N_DIABETES))]
+    vals = []
+    for fold in range(5):
+        splits = TabularRegressionData(fold=fold).indices
+        val = splits["val"]
+        assert len(val) == math.ceil(0.1 * (N_DIABETES - len(tests[fold])))
+        assert len(np.unique(val)) == len(val)
+        assert np.intersect1d(val, tests[fold]).size == 0          # never the outer test fold
+        assert np.intersect1d(val, splits["train"]).size == 0      # nor a row it trains on
+        others = np.concatenate([tests[j] for j in range(5) if j != fold])
+        assert np.isin(val, others).all()                          # only the training folds
+        # by design every val row is another fold's test row: spread over all four of them
+        assert {j for j in range(5) if j != fold and np.isin(val, tests[j]).any()} == \
+            {j for j in range(5) if j != fold}
+        vals.append(val)
+    # each outer fold draws its own inner rows (not one val set for every fold)
+    assert len({tuple(v) for v in vals}) == 5
+
+
 def test_splits_are_fixed_by_split_seed():
     a, b = TabularRegressionData(fold=2).indices, TabularRegressionData(fold=2).indices
     for split in a:

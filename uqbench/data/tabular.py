@@ -13,7 +13,9 @@ cut into ``folds`` folds (scikit-learn's ``KFold(folds, shuffle=True,
 random_state=split_seed)``). ``test`` is fold ``fold``; the other folds are the training part,
 of which ``ceil(val_fraction · n)`` rows (drawn with ``split_seed``) are ``val`` and the rest
 ``train``. Over ``fold = 0 … folds-1`` the test splits are disjoint and cover every row. No OOD
-split.
+split. ``val`` is an inner validation split: rows of the training folds only, never of the test
+fold, so a choice made on it (experiment ``p2_diabetes_select``, which scores val alone) has
+seen no row that fold is tested on.
 
 Standardisation: features and target are standardised with the mean and standard deviation
 (ddof=0) of the ``train`` split only, so no statistic of val or test leaks into the model; all

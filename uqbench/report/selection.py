@@ -21,8 +21,10 @@ The rules, each also stated in the file's provenance:
   number, scored by its mean and sample std (ddof=1; null with one seed) over those runs. A run
   that does not set the first key is no candidate.
 - **Constraints.** ``--require METRIC=LO:HI``: a candidate whose mean of METRIC lies outside
-  [LO, HI] is not eligible (recorded with the reason); a group with no eligible candidate is an
-  error naming it.
+  [LO, HI] is not eligible (recorded with the reason); ``--require-each METRIC=LO:HI``: nor is
+  one any of whose runs has METRIC outside [LO, HI] or not a finite number (every seed and
+  every cell the group pools, e.g. every width and variance when it groups by none); a group
+  with no eligible candidate is an error naming it.
 - **Ties** (:data:`TIE_RULE`). **Edges** (:data:`EDGE_RULE`): each edge choice is also printed
   as a warning, and tables mark the rows of runs that used it.
 
@@ -107,14 +109,17 @@ def check_sealed(runs_dir: Path, experiment: str) -> None:
 
 @dataclass(frozen=True)
 class Require:
-    """``--require METRIC=LO:HI``: a candidate's mean of METRIC must lie in [LO, HI]."""
+    """``--require METRIC=LO:HI``: a candidate's mean of METRIC must lie in [LO, HI];
+    ``each``: every run's METRIC must (``--require-each``): a mean can sit inside the band
+    while one width or variance lies far outside it."""
 
     metric: str
     low: float
     high: float
+    each: bool = False
 
     @classmethod
-    def parse(cls, text: str) -> Require:
+    def parse(cls, text: str, each: bool = False) -> Require:
         metric, _, bounds = text.rpartition("=")
         low, _, high = bounds.partition(":")
         try:
@@ -122,12 +127,32 @@ class Require:
         except ValueError:
             lo = hi = math.nan
         if not metric or not (lo <= hi):
-            raise ValueError(f"--require {text!r} is not METRIC=LO:HI with numbers LO <= HI, "
+            flag = "--require-each" if each else "--require"
+            raise ValueError(f"{flag} {text!r} is not METRIC=LO:HI with numbers LO <= HI, "
                              f"e.g. val/coverage_2sigma=0.90:0.99")
-        return cls(metric, lo, hi)
+        return cls(metric, lo, hi, each)
 
     def __str__(self) -> str:
-        return f"{self.metric}={self.low:g}:{self.high:g}"
+        return f"{self.metric}={self.low:g}:{self.high:g}" + (" on every run" if self.each
+                                                              else "")
+
+    def breach(self, candidate: Candidate) -> str | None:
+        """Why ``candidate`` fails this constraint, or None when it meets it."""
+        seen = candidate.checked.get(self.metric)
+        band = f"[{self.low:g}, {self.high:g}]"
+        if not seen:
+            return f"no finite {self.metric}"
+        if not self.each:
+            mean = statistics.fmean(seen)
+            return None if self.low <= mean <= self.high else (
+                f"{self.metric} mean {mean:.6g} outside {band}")
+        outside = sum(not self.low <= v <= self.high for v in seen)
+        missing = len(candidate.scores) - len(seen)  # runs scored without a finite METRIC
+        if not outside and not missing:
+            return None
+        return (f"{self.metric} of {outside + missing} of {len(candidate.scores)} runs outside "
+                f"{band} (runs: {min(seen):.6g} … {max(seen):.6g}"
+                + (f", {missing} not finite)" if missing else ")"))
 
 
 @dataclass
@@ -201,10 +226,10 @@ def gather(runs: list[dict], keys: list[str], metric: str, group_by: list[str],
         candidate = groups[tuple(map(str, group))].setdefault(values, Candidate(values))
         candidate.scores.append(float(score))
         candidate.seeds.append(int(run["seed"]))
-        for require in requires:
-            value = get_path(run, f"metrics.{require.metric}")
+        for checked in dict.fromkeys(r.metric for r in requires):  # once per metric
+            value = get_path(run, f"metrics.{checked}")
             if _finite(value):
-                candidate.checked[require.metric].append(float(value))
+                candidate.checked[checked].append(float(value))
     return groups
 
 
@@ -215,12 +240,7 @@ def choose(candidates: dict[tuple, Candidate], names: list[str], direction: str,
     listed = sorted(candidates.values(), key=lambda c: tuple(order(v) for v in c.values))
     for candidate in listed:
         for require in requires:
-            seen = candidate.checked.get(require.metric)
-            if not seen:
-                candidate.excluded = f"no finite {require.metric}"
-            elif not require.low <= statistics.fmean(seen) <= require.high:
-                candidate.excluded = (f"{require.metric} mean {statistics.fmean(seen):.6g} "
-                                      f"outside [{require.low:g}, {require.high:g}]")
+            candidate.excluded = require.breach(candidate)
             if candidate.excluded:
                 break
     eligible = [c for c in listed if c.excluded is None]
@@ -387,6 +407,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--require", action="append", default=[], metavar="METRIC=LO:HI",
                         help="a candidate whose mean METRIC lies outside [LO, HI] is not "
                              "eligible; repeat for several")
+    parser.add_argument("--require-each", action="append", default=[], metavar="METRIC=LO:HI",
+                        help="a candidate any of whose runs has METRIC outside [LO, HI] is not "
+                             "eligible (every seed and every cell its group pools); repeat for "
+                             "several")
     parser.add_argument("--group-by", action="append", default=None, metavar="PATH",
                         help="a results.json path whose value splits the runs into groups, "
                              "each with its own choice; repeat for several (default: "
@@ -399,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     keys = args.key or ["trainer.optimizer.lr"]
     with user_errors():
         group_by = _group_by(args.group_by)
-        requires = [Require.parse(r) for r in args.require]
+        requires = ([Require.parse(r) for r in args.require]
+                    + [Require.parse(r, each=True) for r in args.require_each])
         names = key_names(keys)
         if args.write is not None and args.write.suffix != ".yaml":
             raise ValueError(f"--write {args.write}: a recipe is a Hydra config, NAME.yaml "
