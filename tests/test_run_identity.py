@@ -5,8 +5,9 @@ from __future__ import annotations
 import copy
 
 import pytest
+import yaml
 
-from tests.helpers import run_cli
+from tests.helpers import ROOT, run_cli
 from uqbench.configs import group_options, identity_overrides
 from uqbench.identity import ADDED_KEYS, differences, identity, speed_options
 
@@ -133,32 +134,33 @@ def test_the_identity_is_defined_once():
 def test_a_lookup_table_is_no_part_of_the_identity(compose_cfg):
     """p1_digits reads its learning rates from lookup.digits_recipe: another entry edited
     leaves a run reusable, the entry the run read is in its resolved lr."""
-    overrides = ["experiment=p1_digits", "backbone=digits_vit_weak", "method=single"]
+    overrides = ["experiment=p1_digits", "backbone=digits_vit_other", "method=single"]
     cfg = _resolved(compose_cfg, overrides)
-    assert cfg["trainer"]["optimizer"]["lr"] == 0.003  # the YAML's entry for weak × single
+    recipe = yaml.safe_load((ROOT / "conf" / "recipe" / "p1_digits.yaml").read_text())
+    lr = recipe["choices"]["digits_vit_other"]["single"]["lr"]  # the file's entry for the run
+    assert cfg["trainer"]["optimizer"]["lr"] == lr
     assert not any(k.startswith("lookup") for k in identity(cfg))
     edited = _resolved(compose_cfg, [*overrides,
-                                     "lookup.digits_recipe.choices.digits_vit_weak.svf.lr=0.5"])
+                                     "lookup.digits_recipe.choices.digits_vit_other.svf.lr=0.5"])
     assert differences(cfg, edited) == []
     used = _resolved(compose_cfg, [*overrides,
-                                   "lookup.digits_recipe.choices.digits_vit_weak.single.lr=0.5"])
-    assert differences(cfg, used) == [
-        "trainer.optimizer.lr: 0.003 (stored) → 0.5 (requested)"]
+                                   "lookup.digits_recipe.choices.digits_vit_other.single.lr=0.5"])
+    assert differences(cfg, used) == [f"trainer.optimizer.lr: {lr} (stored) → 0.5 (requested)"]
     # a lookup override may change what the run reads: it names its own folder
-    assert identity_overrides(["lookup.digits_recipe.choices.digits_vit_weak.single.lr=0.5"],
+    assert identity_overrides(["lookup.digits_recipe.choices.digits_vit_other.single.lr=0.5"],
                               compose_cfg(overrides)) == [
-        "lookup.digits_recipe.choices.digits_vit_weak.single.lr=0.5"]
+        "lookup.digits_recipe.choices.digits_vit_other.single.lr=0.5"]
 
 
 def test_runs_stored_before_the_lookup_rule_stay_reusable(compose_cfg):
-    """Runs of p1_digits stored digits_recipe at the top level (and p1_digits_rank its
-    digits_rank_recipe): the same run as today's config, even with an entry since edited."""
-    for experiment, table in (("p1_digits", "digits_recipe"),
-                              ("p1_digits_rank", "digits_rank_recipe")):
+    """Runs of p1_digits and p1_digits_rank stored their lookup table at the top level: the
+    same run as today's config, even with an entry since edited."""
+    for experiment in ("p1_digits", "p1_digits_rank"):
         cfg = _resolved(compose_cfg, [f"experiment={experiment}"])
         stored = copy.deepcopy(cfg)
+        table = "digits_recipe"
         stored[table] = copy.deepcopy(stored.pop("lookup")[table])
-        stored[table]["digits_vit_weak"] = {"an": "older entry"}
+        stored[table]["digits_vit_other"] = {"an": "older entry"}
         assert "lookup" not in stored and differences(stored, cfg) == []
 
 

@@ -228,7 +228,7 @@ class DigitsData(ImageDataModule):
 
     def setup(self, backbone: InputBackbone | None = None) -> None:
         seen = None if backbone is None else backbone.pretrain_split
-        if seen is not None and seen != self.pretrain_split():
+        if backbone is not None and seen is not None and seen != self.pretrain_split():
             raise ValueError(
                 f"backbone '{backbone.name}' was pretrained on the digits split {seen}, but "
                 f"this dataset uses {self.pretrain_split()} (dataset.split_seed, "
