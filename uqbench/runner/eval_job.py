@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -38,9 +39,11 @@ def eval_job(cfg: DictConfig) -> dict[str, Any]:
     """``job=eval``: score a finished run on a dataset; return the results (also on disk)."""
     run_dir = Path(str(cfg.eval_run)).expanduser() if cfg.get("eval_run") else Path(cfg.run_dir)
     stored, scored_run, sources = _sources(run_dir)
-    chosen, changed = _dataset_overrides(cfg)
-    configs = {s: _eval_config(cfg, c, chosen, changed) for s, c in sources.items()}
-    run_cfg = _eval_config(cfg, stored, chosen, changed)
+    keys = _command_keys()
+    chosen, changed = _dataset_overrides(keys)
+    task_keys = [] if keys is None else sorted(k[5:] for k in keys if k.startswith("task."))
+    configs = {s: _eval_config(cfg, c, chosen, changed, task_keys) for s, c in sources.items()}
+    run_cfg = _eval_config(cfg, stored, chosen, changed, task_keys)
     device, fallback = resolve_device(str(cfg.device))
     out = run_dir / "eval" / ",".join([str(run_cfg.dataset.name), *(
         f"{k}={OmegaConf.select(cfg, k)}" for k in changed), *_restricted(cfg)])
@@ -146,16 +149,17 @@ def _track(cfg: DictConfig, run_cfg: DictConfig, run_config: dict[str, Any],
     log_results(logger, results, out, [])
 
 
-def _eval_config(cfg: DictConfig, stored: dict, chosen: bool, changed: list[str]) -> DictConfig:
+def _eval_config(cfg: DictConfig, stored: dict, chosen: bool, changed: list[str],
+                 task_keys: Sequence[str] = ()) -> DictConfig:
     """A stored run config with the command's dataset (or dataset keys), device and output
-    choices put in."""
+    choices put in; ``task_keys``: the ``task.<key>`` names the command set."""
     run_cfg = OmegaConf.create(stored)
     if chosen:  # another dataset: its config and task from the command
         task = cfg.task
         if stored.get("task", {}).get("_target_") == cfg.task.get("_target_"):
             # the same kind of task: the run's own scoring options (aggregation, ECE bins)
             # stay, unless the command sets them (task.<key>=…)
-            task = OmegaConf.merge(stored["task"], {k: cfg.task[k] for k in _task_overrides()})
+            task = OmegaConf.merge(stored["task"], {k: cfg.task[k] for k in task_keys})
         run_cfg.dataset, run_cfg.task = cfg.dataset, task
     for key in changed:  # dataset.<key>=<value>: on top of the run's dataset
         OmegaConf.update(run_cfg, key, OmegaConf.select(cfg, key), force_add=True)
@@ -166,22 +170,18 @@ def _eval_config(cfg: DictConfig, stored: dict, chosen: bool, changed: list[str]
     return run_cfg
 
 
-def _task_overrides() -> list[str]:
-    """The ``task.<key>`` names the command set (none without Hydra's command line)."""
+def _command_keys() -> list[str] | None:
+    """The keys the command line set (``a.b=…`` → ``a.b``); None without Hydra's command line."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
-        return []
-    keys = [o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task]
-    return sorted(k.split(".", 1)[1] for k in keys if k.startswith("task."))
+        return None
+    return [o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task]
 
 
-def _dataset_overrides(cfg: DictConfig) -> tuple[bool, list[str]]:
+def _dataset_overrides(keys: list[str] | None) -> tuple[bool, list[str]]:
     """Whether the command chose a dataset (``dataset=…``), and the ``dataset.<key>`` values
     it set. A config composed without Hydra's command line counts as choosing its dataset."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
+    if keys is None:
         return True, []
-    keys = [o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task]
     return "dataset" in keys, sorted(k for k in keys if k.startswith("dataset."))
