@@ -96,6 +96,36 @@ def test_max_per_split_keeps_a_class_balanced_head():
         assert np.bincount(y.numpy() % 5).tolist() == [2, 2, 2, 2, 2]
 
 
+def test_preprocessed_splits_are_cached_per_transform_and_never_shared_writable():
+    from torchvision import transforms as T
+
+    images, targets = digit_images(32)[0][:4], np.arange(4)
+    calls = []
+
+    class Counted(T.ToTensor):  # torchvision's repr ("Counted()"), counting its calls
+        def __call__(self, pic):
+            calls.append(1)
+            return super().__call__(pic)
+
+    digits_module._PREPROCESSED.clear()
+    first = digits_module._tensors(images, targets, Counted())
+    second = digits_module._tensors(images, targets, Counted())
+    assert len(calls) == 4  # the second call preprocessed nothing
+    assert torch.equal(first.tensors[0], second.tensors[0])
+    expected = torch.as_tensor(images.transpose(0, 3, 1, 2) / 255, dtype=torch.float32)
+    torch.testing.assert_close(second.tensors[0], expected)  # and is what the transform gives
+    first.tensors[0].zero_()  # a job that writes into its inputs leaves the next job's alone
+    assert torch.equal(digits_module._tensors(images, targets, Counted()).tensors[0], expected)
+    # another transform is another entry; a transform known only by its address is not kept
+    scaled = T.Compose([T.ToTensor(), T.Normalize([0.5] * 3, [0.5] * 3)])
+    torch.testing.assert_close(digits_module._tensors(images, targets, scaled).tensors[0],
+                               (expected - 0.5) / 0.5)
+    unnamed = digits_module._tensors(images, targets, lambda im: Counted()(im) * 2)
+    torch.testing.assert_close(unnamed.tensors[0], expected * 2)
+    assert len(digits_module._PREPROCESSED) == 2
+    digits_module._PREPROCESSED.clear()
+
+
 # --- corruptions -------------------------------------------------------------------------------
 
 def test_corruption_splits_differ_more_from_clean_as_severity_grows():
