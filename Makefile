@@ -133,9 +133,9 @@ p2-select: $(STAMP)  ## P2's selection sweeps (rho_0; prior and KL weight; diabe
 		--metric val/nll --group-by none --write conf/recipe/p2_diabetes.yaml
 
 # P2's published experiments under the recipes above, then their tables (docs/results.md)
-P2_EXPERIMENTS := p2_width_sweep p2_calibrated p2_rho_sensitivity p2_diabetes p2_depth p2_claims
+P2_EXPERIMENTS := p2_width_sweep p2_diabetes p2_calibrated p2_rho_sensitivity p2_depth p2_claims
 
 .PHONY: p2
-p2: $(STAMP)  ## P2's result experiments (width sweep, calibrated, rho_0, diabetes, depth, claims under 10 setups) and their tables
+p2: $(STAMP)  ## P2's result experiments (width sweep, diabetes, calibrated, rho_0, depth, claims under 10 setups) and their tables
 	for e in $(P2_EXPERIMENTS); do $(BIN)/uqbench experiment=$$e $(P2_SWEEP) || exit 1; done
 	for e in $(P2_EXPERIMENTS); do $(BIN)/uqbench-tables --experiment $$e --quiet || exit 1; done
