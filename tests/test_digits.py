@@ -271,6 +271,27 @@ def _as_other_level(tiny, cache) -> DigitsViT:
     return backbone
 
 
+def test_equal_weights_are_written_as_equal_files_in_every_process(tmp_path):
+    """The recorded sha256 names the weights: written in separate processes (whose map order
+    differs), the same weights and settings give the same bytes."""
+    import hashlib
+    import subprocess
+    import sys
+
+    script = ("import sys, torch; from pathlib import Path; "
+              "from uqbench.runner.pretrain import write_weights; "
+              "torch.manual_seed(0); "
+              "state = {n: torch.randn(3, 4) for n in ('blocks.0.w', 'cls_token', 'norm.b')}; "
+              "write_weights(state, Path(sys.argv[1]), {'level': 'x', 'seed': 0, 'b': [1, 2]})")
+    digests = set()
+    for k in range(3):
+        path = tmp_path / f"w{k}.safetensors"
+        subprocess.run([sys.executable, "-c", script, str(path)], check=True)
+        digests.add(hashlib.sha256(path.read_bytes()).hexdigest())
+    assert len(digests) == 1, digests
+    assert load_file(str(tmp_path / "w0.safetensors"))["cls_token"].shape == (3, 4)
+
+
 def test_truncated_checkpoint_is_refused_naming_the_file(tiny, tmp_path):
     from uqbench.runner.pretrain import pretrain
 

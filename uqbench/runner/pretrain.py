@@ -255,14 +255,12 @@ def _pretrain(level: str, cache_dir: str | Path, split: dict[str, Any], seed: in
     if not force and weights.is_file():
         return Pretrained(level, seed, weights, sidecar,
                           verify_checkpoint(weights, sidecar, rebuild), built=False)
-    from safetensors.torch import save_file
-
     log(f"pretraining digits ViT '{level}' (seed {seed}) → {weights}")
     state, facts = train_supervised(settings["recipe"], split, seed, max_images, log)
     weights.parent.mkdir(parents=True, exist_ok=True)
     sidecar.unlink(missing_ok=True)  # weights without a sidecar are refused until it is written
     tmp = weights.with_name(weights.name + ".tmp")
-    save_file(state, str(tmp), metadata={"level": level, "settings": json.dumps(settings)})
+    write_weights(state, tmp, settings)
     tmp.replace(weights)
     loaded = TimmViT(f"digits_vit_{level}", MODEL, pretrained=True, checkpoint=str(weights),
                      model_kwargs=ARCHITECTURE).build()  # the path the runner takes
@@ -274,6 +272,15 @@ def _pretrain(level: str, cache_dir: str | Path, split: dict[str, Any], seed: in
             "probe_s": round(time.perf_counter() - start, 2)}
     _write_json(sidecar, meta)
     return Pretrained(level, seed, weights, sidecar, meta, built=True)
+
+
+def write_weights(state: dict[str, torch.Tensor], path: Path, settings: dict[str, Any]) -> None:
+    """Write an encoder's weights as safetensors whose bytes depend on the weights and settings
+    only, so that equal weights have equal sha256s. The header's metadata is one entry:
+    safetensors writes its metadata map in an order that changes from process to process."""
+    from safetensors.torch import save_file
+
+    save_file(state, str(path), metadata={"settings": json.dumps(settings, sort_keys=True)})
 
 
 def _build_one(job: tuple[str, int, str, dict[str, Any], bool, int | None]) -> Pretrained:
