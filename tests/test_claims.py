@@ -414,3 +414,13 @@ def test_the_p1_spec_evaluates_every_claim_per_backbone_level(tmp_path):
     flat = {k: v for k, v in spec.items() if k != "claims_by"}
     with pytest.raises(C.InvalidClaims, match="more than one run of seed"):
         C.claims_table(p1_runs(), flat)
+
+
+def test_a_bar_in_a_cell_or_header_cannot_split_a_markdown_row():
+    frame = pd.DataFrame({"claim": ["σ(x)"], "measure |m|": ["mean |σ − true σ| / mean σ"],
+                          "margin": ["inside ±10% of |b|"], "n": [3]})
+    lines = C.markdown_table(frame).splitlines()
+    # a row's cells are separated by the bars that are not escaped: 4 cells, 5 bars
+    assert [len(line.replace("\\|", "")) - len(line.replace("\\|", "").replace("|", ""))
+            for line in lines] == [5, 5, 5]
+    assert "mean \\|σ − true σ\\| / mean σ" in lines[2] and "measure \\|m\\|" in lines[0]

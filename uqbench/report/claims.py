@@ -363,14 +363,23 @@ def legend(spec: dict[str, Any]) -> str:
             f"{MARKS[MISSING]} not measured. Each cell: mean [{c:.0%} interval]. {rule}\n{key}")
 
 
+def markdown_table(frame: pd.DataFrame) -> str:
+    """``frame`` as a Markdown table: our formatting kept (numbers are not parsed again) and a
+    "|" in a header or a cell escaped, so that it cannot split a row ("mean |σ − true σ|")."""
+    def escaped(value: Any) -> Any:
+        return value.replace("|", "\\|") if isinstance(value, str) else value
+
+    shown = frame.rename(columns=lambda c: escaped(str(c))).map(escaped)
+    return str(shown.to_markdown(index=False, disable_numparse=True))
+
+
 def write_claims(runs: list[Run], spec: dict[str, Any], out_dir: Path | str,
                  exp: str) -> list[Path]:
     """Write ``<exp>_claims.md``/``.csv`` (and with ``claims_by`` the grid); the paths."""
     out_dir = Path(out_dir)
     title = f"{spec.get('title', exp)}: claims"
     frame = claims_grid(runs, spec) if spec.get("claims_by") else claims_table(runs, spec)
-    md = (f"## {title}\n\n" + frame.to_markdown(index=False, disable_numparse=True)
-          + f"\n\n{legend(spec)}\n")
+    md = f"## {title}\n\n" + markdown_table(frame) + f"\n\n{legend(spec)}\n"
     paths = [out_dir / f"{exp}_claims.md", out_dir / f"{exp}_claims.csv"]
     paths[0].write_text(md)
     frame.to_csv(paths[1], index=False)

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from uqbench.report.claims import get_path
+from uqbench.report.claims import get_path, markdown_table
 
 REQUIRED = ("by", "order", "probe", "reference")
 
@@ -119,7 +119,7 @@ def write_levels(runs: list[dict], spec: dict[str, Any], out_dir: Path | str,
               f"the frozen features; {ref['method']}: full fine-tuning ({ref['key']}); gap: "
               f"{ref['method']} − probe, by the means.")
     md = (f"## {spec.get('title', exp)}: backbone levels\n\n"
-          + frame.to_markdown(index=False, disable_numparse=True) + f"\n\n{legend}\n")
+          + markdown_table(frame) + f"\n\n{legend}\n")
     paths = [out_dir / f"{exp}_levels.md", out_dir / f"{exp}_levels.csv"]
     paths[0].write_text(md)
     frame.to_csv(paths[1], index=False)

@@ -60,7 +60,7 @@ import pandas as pd
 
 from uqbench.errors import user_errors
 from uqbench.report.building import build_table, edge_note, missing_keys
-from uqbench.report.claims import InvalidClaims, write_claims
+from uqbench.report.claims import InvalidClaims, markdown_table, write_claims
 from uqbench.report.figures import summary_figure
 from uqbench.report.latex import to_latex
 from uqbench.report.layout import layout
@@ -138,8 +138,7 @@ def _write_files(exp: str, spec: dict[str, Any], runs: list[Run], shown: pd.Data
     """Write one experiment's Markdown, LaTeX, CSV, figures and claims; their file names."""
     title = spec.get("title", exp)
     note = edge_note(runs)  # the rows marked † used a setting chosen at its grid's edge
-    # disable_numparse keeps our formatting ("95.0", "0.20") instead of re-parsing numbers
-    md = f"## {title}\n\n" + shown.to_markdown(index=False, disable_numparse=True) + "\n"
+    md = f"## {title}\n\n" + markdown_table(shown) + "\n"  # our formatting, "|" escaped
     (out_dir / f"{exp}.md").write_text(md + (f"\n{note}\n" if note else ""))
     unknown: set[str] = set()
     caption = f"{title}. {note}" if note else title
