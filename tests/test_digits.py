@@ -279,7 +279,7 @@ def test_equal_weights_are_written_as_equal_files_in_every_process(tmp_path):
     import sys
 
     script = ("import sys, torch; from pathlib import Path; "
-              "from uqbench.runner.pretrain import write_weights; "
+              "from uqbench.backbones.digits_vit import write_weights; "
               "torch.manual_seed(0); "
               "state = {n: torch.randn(3, 4) for n in ('blocks.0.w', 'cls_token', 'norm.b')}; "
               "write_weights(state, Path(sys.argv[1]), {'level': 'x', 'seed': 0, 'b': [1, 2]})")

@@ -139,6 +139,15 @@ def build_command(level: str, cache_dir: str | Path, split: dict[str, Any] | Non
     return f"uqbench-pretrain {level} --seeds {seed} --cache-dir {cache_dir}{extra}"
 
 
+def write_weights(state: dict[str, torch.Tensor], path: Path, settings: dict[str, Any]) -> None:
+    """Write an encoder's weights as safetensors whose bytes depend on the weights and settings
+    only, so that equal weights have equal sha256s. The header's metadata is one entry:
+    safetensors writes its metadata map in an order that changes from process to process."""
+    from safetensors.torch import save_file
+
+    save_file(state, str(path), metadata={"settings": json.dumps(settings, sort_keys=True)})
+
+
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:

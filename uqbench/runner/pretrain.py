@@ -58,6 +58,7 @@ from uqbench.backbones.digits_vit import (
     read_sidecar,
     sha256_file,
     verify_checkpoint,
+    write_weights,
 )
 from uqbench.backbones.timm_vit import TimmViT
 from uqbench.data.digits import (
@@ -272,15 +273,6 @@ def _pretrain(level: str, cache_dir: str | Path, split: dict[str, Any], seed: in
             "probe_s": round(time.perf_counter() - start, 2)}
     _write_json(sidecar, meta)
     return Pretrained(level, seed, weights, sidecar, meta, built=True)
-
-
-def write_weights(state: dict[str, torch.Tensor], path: Path, settings: dict[str, Any]) -> None:
-    """Write an encoder's weights as safetensors whose bytes depend on the weights and settings
-    only, so that equal weights have equal sha256s. The header's metadata is one entry:
-    safetensors writes its metadata map in an order that changes from process to process."""
-    from safetensors.torch import save_file
-
-    save_file(state, str(path), metadata={"settings": json.dumps(settings, sort_keys=True)})
 
 
 def _build_one(job: tuple[str, int, str, dict[str, Any], bool, int | None]) -> Pretrained:
