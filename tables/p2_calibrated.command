@@ -1,0 +1,39 @@
+# p2_calibrated.md, p2_calibrated.tex, p2_calibrated.csv, p2_calibrated.png, p2_calibrated_claims.md, p2_calibrated_claims.csv were made by (run from the folder the paths are relative to):
+uqbench-tables --runs runs --out tables --experiment p2_calibrated
+# from 36 results.json under runs:
+#   p2_calibrated/polynomial/bnn_embedded/mlp_w1024/seed0/results.json
+#   p2_calibrated/polynomial/bnn_embedded/mlp_w1024/seed1/results.json
+#   p2_calibrated/polynomial/bnn_embedded/mlp_w128/seed0/results.json
+#   p2_calibrated/polynomial/bnn_embedded/mlp_w128/seed1/results.json
+#   p2_calibrated/polynomial/bnn_embedded/mlp_w16/seed0/results.json
+#   p2_calibrated/polynomial/bnn_embedded/mlp_w16/seed1/results.json
+#   p2_calibrated/polynomial/bnn_embedded/mlp_w256/seed0/results.json
+#   p2_calibrated/polynomial/bnn_embedded/mlp_w256/seed1/results.json
+#   p2_calibrated/polynomial/bnn_embedded/mlp_w32/seed0/results.json
+#   p2_calibrated/polynomial/bnn_embedded/mlp_w32/seed1/results.json
+#   p2_calibrated/polynomial/bnn_embedded/mlp_w4/seed0/results.json
+#   p2_calibrated/polynomial/bnn_embedded/mlp_w4/seed1/results.json
+#   p2_calibrated/polynomial/bnn_embedded/mlp_w512/seed0/results.json
+#   p2_calibrated/polynomial/bnn_embedded/mlp_w512/seed1/results.json
+#   p2_calibrated/polynomial/bnn_embedded/mlp_w64/seed0/results.json
+#   p2_calibrated/polynomial/bnn_embedded/mlp_w64/seed1/results.json
+#   p2_calibrated/polynomial/bnn_embedded/mlp_w8/seed0/results.json
+#   p2_calibrated/polynomial/bnn_embedded/mlp_w8/seed1/results.json
+#   p2_calibrated/polynomial/bnn_learned/mlp_w1024/seed0/results.json
+#   p2_calibrated/polynomial/bnn_learned/mlp_w1024/seed1/results.json
+#   p2_calibrated/polynomial/bnn_learned/mlp_w128/seed0/results.json
+#   p2_calibrated/polynomial/bnn_learned/mlp_w128/seed1/results.json
+#   p2_calibrated/polynomial/bnn_learned/mlp_w16/seed0/results.json
+#   p2_calibrated/polynomial/bnn_learned/mlp_w16/seed1/results.json
+#   p2_calibrated/polynomial/bnn_learned/mlp_w256/seed0/results.json
+#   p2_calibrated/polynomial/bnn_learned/mlp_w256/seed1/results.json
+#   p2_calibrated/polynomial/bnn_learned/mlp_w32/seed0/results.json
+#   p2_calibrated/polynomial/bnn_learned/mlp_w32/seed1/results.json
+#   p2_calibrated/polynomial/bnn_learned/mlp_w4/seed0/results.json
+#   p2_calibrated/polynomial/bnn_learned/mlp_w4/seed1/results.json
+#   p2_calibrated/polynomial/bnn_learned/mlp_w512/seed0/results.json
+#   p2_calibrated/polynomial/bnn_learned/mlp_w512/seed1/results.json
+#   p2_calibrated/polynomial/bnn_learned/mlp_w64/seed0/results.json
+#   p2_calibrated/polynomial/bnn_learned/mlp_w64/seed1/results.json
+#   p2_calibrated/polynomial/bnn_learned/mlp_w8/seed0/results.json
+#   p2_calibrated/polynomial/bnn_learned/mlp_w8/seed1/results.json
