@@ -146,7 +146,12 @@ def resolve_corruptions(spec: Any) -> tuple[str, ...]:
                          "dataset.corruptions", "corruption")
 
 
-_CORRUPTED: dict[tuple, np.ndarray] = {}  # in-memory cache for the process (one run)
+_CORRUPTED: dict[tuple, np.ndarray] = {}  # in-memory cache for the process (a worker's jobs)
+
+
+def _images_key(images: np.ndarray) -> tuple[str, tuple[int, ...]]:
+    """What identifies an array of images in this module's caches: its bytes and its shape."""
+    return hashlib.sha1(np.ascontiguousarray(images).data).hexdigest(), images.shape
 
 
 def corrupt_images(images: np.ndarray, corruption: str, severity: int, seed: int = 0
@@ -158,8 +163,7 @@ def corrupt_images(images: np.ndarray, corruption: str, severity: int, seed: int
     from imagecorruptions import corrupt
     from imagecorruptions import corruptions as library
 
-    key = (hashlib.sha1(np.ascontiguousarray(images).data).hexdigest(), images.shape, corruption,
-           int(severity), int(seed))
+    key = (*_images_key(images), corruption, int(severity), int(seed))
     if key in _CORRUPTED:
         return _CORRUPTED[key]
     number = corruption_names().index(corruption)
@@ -290,12 +294,13 @@ def _tensors(images: np.ndarray, targets: np.ndarray, transform: Callable) -> Te
     transforms; a transform described only by its address (a lambda) is never cached, nor
     anything past :data:`PREPROCESSED_BYTES` (e.g. the digits upsampled to 224 px)."""
     described = repr(transform)
-    key = (hashlib.sha1(np.ascontiguousarray(images).data).hexdigest(), images.shape, described)
-    x = _PREPROCESSED.get(key) if " at 0x" not in described else None
+    cacheable = " at 0x" not in described
+    key = (*_images_key(images), described)
+    x = _PREPROCESSED.get(key) if cacheable else None
     if x is None:
         x = torch.stack([transform(Image.fromarray(np.asarray(im))) for im in images])
         held = sum(t.nbytes for t in _PREPROCESSED.values())
-        if " at 0x" not in described and held + x.nbytes <= PREPROCESSED_BYTES:
+        if cacheable and held + x.nbytes <= PREPROCESSED_BYTES:
             _PREPROCESSED[key] = x
     # a clone: a job that writes into its inputs cannot change the next job's
     return TensorDataset(x.clone(), torch.as_tensor(targets, dtype=torch.int64))
