@@ -92,7 +92,7 @@ def produced() -> set[str]:
     names = set(M.classification_metrics(probs, y))
     names |= {f"{k}_{s}" for k in M.ood_detection(torch.tensor([0.1, 0.2]),
                                                    torch.tensor([0.3, 0.4]))
-              for s in M.OOD_SCORES}
+              for s in (*M.OOD_SCORES, *M.LOGIT_SCORES)}
     t = torch.tensor([[0.0], [1.0]])
     names |= set(M.regression_metrics(t, t, t + 1)) | set(M.noise_recovery(t + 1, t + 1))
     bnn = BayesianMLP(MLP(width=2), DataInfo(task="regression", in_dim=1, out_dim=1),
@@ -174,10 +174,11 @@ def test_every_listed_metric_key_is_produced_and_every_metric_listed(produced):
             listed.add(last)
     unknown = {m for m in listed if m not in produced}
     unknown |= {b for b in bases if not any(p == f"{b}_{s}" for p in produced
-                                            for s in M.OOD_SCORES)}
+                                            for s in (*M.OOD_SCORES, *M.LOGIT_SCORES))}
     assert not unknown, f"docs/metrics.md lists metrics the code does not produce: {unknown}"
     scores = set(spans(page))
-    covered = listed | {f"{b}_{s}" for b in bases for s in M.OOD_SCORES if s in scores}
+    covered = listed | {f"{b}_{s}" for b in bases for s in (*M.OOD_SCORES, *M.LOGIT_SCORES)
+                        if s in scores}
     assert produced <= covered, (f"metrics the code produces that docs/metrics.md does not "
                                  f"define: {sorted(produced - covered)}")
 

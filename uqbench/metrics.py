@@ -1,7 +1,11 @@
 """Metrics as pure functions of predictions and targets (fractions, never percent).
 
 Regression metrics take the predictive mean and total variance of a Gaussian predictive
-distribution; classification metrics take member probabilities of shape (M, N, C).
+distribution; classification metrics take member probabilities of shape (M, N, C), and the
+logit-based OOD scores (energy, max-logit) the members' mean logits (N, C). Every definition is
+in docs/metrics.md. Longer than most modules: one place for every metric a table may show
+(calibration, selective prediction, OOD detection), each checked against an independent
+implementation in the tests.
 """
 
 from __future__ import annotations
@@ -58,6 +62,10 @@ def noise_recovery(std: torch.Tensor, true_std: torch.Tensor) -> dict[str, float
 Aggregation = Literal["mean_probs", "mean_logits"]
 AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 OOD_SCORES = ("msp", "entropy", "mi")
+# scores of the members' mean logits z̄ (N, C), for methods whose predictions keep them
+LOGIT_SCORES = ("energy", "max_logit")
+# the coverages at which selective prediction reports its risk (``risk_cov<percent>``)
+RISK_COVERAGES = (0.8, 0.9)
 
 
 def _check_member_probs(member_probs: torch.Tensor) -> None:
@@ -149,6 +157,75 @@ def reliability(probs: torch.Tensor, y: torch.Tensor, bins: int = 15
     return {"count": count, "confidence": conf_sum / count, "accuracy": acc_sum / count}
 
 
+def adaptive_ece(probs: torch.Tensor, y: torch.Tensor, bins: int = 15) -> torch.Tensor:
+    """ECE over equal-mass bins of top-label confidence: the samples sorted by confidence
+    (ties kept in sample order) are cut into ``bins`` contiguous groups whose sizes differ by at
+    most one (the first N mod bins groups hold one more), and each group's
+    |accuracy − mean confidence| is weighted by its share of the samples."""
+    if bins < 1:
+        raise ValueError(f"adaptive ECE bins must be >= 1, got {bins}")
+    conf, pred = probs.double().max(-1)
+    order = torch.sort(conf, stable=True).indices
+    gaps = torch.zeros((), dtype=torch.float64)
+    for part in torch.tensor_split(order, min(bins, len(order))):
+        gaps = gaps + ((pred[part] == y[part]).double().sum() - conf[part].sum()).abs()
+    return gaps / len(conf)
+
+
+def classwise_ece(probs: torch.Tensor, y: torch.Tensor, bins: int = 15) -> torch.Tensor:
+    """Class-wise ECE (Kull et al., 2019): for every class c, the equal-width-binned gap between
+    the predicted p_c and the frequency of c, Σ_k (n_k/N)·|freq_k − mean p_c in k| with bins
+    (k/bins, (k+1)/bins] as :func:`ece`'s, averaged over the classes."""
+    if bins < 1:
+        raise ValueError(f"class-wise ECE bins must be >= 1, got {bins}")
+    p = probs.double()
+    n, classes = p.shape
+    onehot = torch.nn.functional.one_hot(y, classes).double()
+    inner = torch.linspace(0, 1, bins + 1, dtype=torch.float64, device=p.device)[1:-1]
+    idx = torch.searchsorted(inner, p.contiguous(), side="left")          # (N, C)
+    flat = (idx + bins * torch.arange(classes, device=p.device)).flatten()
+    zeros = torch.zeros(bins * classes, dtype=torch.float64, device=p.device)
+    gap = zeros.index_add(0, flat, onehot.flatten()) - zeros.index_add(0, flat, p.flatten())
+    return gap.abs().sum() / (n * classes)
+
+
+def _risk_curve(probs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Selective risk (N,) at coverage k/N, k = 1 … N: the error rate of the k most confident
+    predictions (top-label probability). Within a group of equal confidences, which of them
+    come first is undecided, so the errors of a partly included group count in proportion (the
+    expected risk over every order of the ties)."""
+    conf, pred = probs.double().max(-1)
+    wrong = (pred != y).double()
+    conf, order = torch.sort(conf, descending=True, stable=True)
+    wrong = wrong[order]
+    _, counts = torch.unique_consecutive(conf, return_counts=True)
+    group = torch.repeat_interleave(torch.arange(len(counts)), counts)      # (N,) tie group
+    group_errors = torch.zeros(len(counts), dtype=torch.float64).index_add(0, group, wrong)
+    errors_before = (torch.cumsum(group_errors, 0) - group_errors)[group]
+    samples_before = (torch.cumsum(counts, 0) - counts)[group].double()
+    k = torch.arange(1, len(conf) + 1, dtype=torch.float64)
+    errors = errors_before + group_errors[group] * (k - samples_before) / counts[group].double()
+    return errors / k
+
+
+def aurc(probs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Area under the risk–coverage curve (Geifman et al., 2019): the mean over k = 1 … N of
+    the selective risk of the k most confident predictions (lower is better)."""
+    return _risk_curve(probs, y).mean()
+
+
+def risk_at_coverage(probs: torch.Tensor, y: torch.Tensor, coverage: float) -> torch.Tensor:
+    """The error rate of the ⌈coverage·N⌉ most confident predictions (ties as :func:`aurc`)."""
+    if not 0 < coverage <= 1:
+        raise ValueError(f"coverage must be in (0, 1], got {coverage}")
+    return _at_coverage(_risk_curve(probs, y), coverage)
+
+
+def _at_coverage(curve: torch.Tensor, coverage: float) -> torch.Tensor:
+    """The entry of a (N,) risk curve at ⌈coverage·N⌉ predictions kept (at least one)."""
+    return curve[max(math.ceil(coverage * len(curve) - 1e-9), 1) - 1]
+
+
 def entropy(probs: torch.Tensor) -> torch.Tensor:
     """Shannon entropy (nats) over the last axis; 0·log 0 = 0."""
     p = probs.double()
@@ -172,6 +249,27 @@ def ood_scores(member_probs: torch.Tensor, aggregation: Aggregation = "mean_prob
     }
 
 
+def logit_scores(mean_logits: torch.Tensor, temperature: float = 1.0
+                 ) -> dict[str, torch.Tensor]:
+    """Per-sample OOD scores (N,) of the members' mean logits z̄ (N, C), higher = more OOD.
+
+    energy: −T·logsumexp(z̄/T), the free energy (Liu et al., 2020); OOD inputs have higher.
+    max_logit: −max_c z̄_c (Hendrycks et al., 2022); temperature leaves its order unchanged.
+    """
+    z = mean_logits.double()
+    return {"energy": -temperature * torch.logsumexp(z / temperature, dim=-1),
+            "max_logit": -z.max(-1).values}
+
+
+def fpr_at_tpr(id_score: torch.Tensor, ood_score: torch.Tensor, tpr: float = 0.95) -> float:
+    """The share of in-distribution samples flagged as OOD at the highest threshold that still
+    flags at least ``tpr`` of the OOD samples (OOD the positive class, score higher = more OOD):
+    a sample is flagged when its score is at or above the threshold."""
+    ood = torch.sort(ood_score.double(), descending=True).values
+    threshold = ood[max(math.ceil(tpr * len(ood) - 1e-9), 1) - 1]
+    return float((id_score.double() >= threshold).double().mean())
+
+
 def ood_detection(id_score: torch.Tensor, ood_score: torch.Tensor) -> dict[str, float]:
     """AUROC and AUPR of separating OOD from in-distribution samples by a score.
 
@@ -180,6 +278,8 @@ def ood_detection(id_score: torch.Tensor, ood_score: torch.Tensor) -> dict[str, 
     aupr_in: in-distribution is the positive class, ranked by −score.
     aupr_out: OOD is the positive class, ranked by score.
     AUPR is scikit-learn's average precision (step-wise, no interpolation).
+    fpr95: the in-distribution samples flagged at 95 % of the OOD samples detected
+    (:func:`fpr_at_tpr`).
     """
     from sklearn.metrics import average_precision_score, roc_auc_score
 
@@ -189,23 +289,31 @@ def ood_detection(id_score: torch.Tensor, ood_score: torch.Tensor) -> dict[str, 
         "auroc": float(roc_auc_score(is_ood, score)),
         "aupr_in": float(average_precision_score(1 - is_ood, -score)),
         "aupr_out": float(average_precision_score(is_ood, score)),
+        "fpr95": fpr_at_tpr(id_score, ood_score, 0.95),
     }
 
 
 def classification_metrics(member_probs: torch.Tensor, y: torch.Tensor, ece_bins: int = 15,
                            aggregation: Aggregation = "mean_probs") -> dict[str, float]:
-    """Accuracy, NLL, Brier and ECE of the ensemble's predictive distribution on one split.
+    """Accuracy, NLL, Brier, ECE (equal-width, equal-mass and class-wise bins) and selective
+    prediction (AURC, the risk at :data:`RISK_COVERAGES`) of the ensemble's predictive
+    distribution on one split.
 
     With mean_probs the NLL is the mixture's (log-mean-exp over members); with mean_logits it is
     the NLL of softmax(mean logits).
     """
     probs = aggregate(member_probs, aggregation)
     nll_value = mixture_nll(member_probs, y) if aggregation == "mean_probs" else nll(probs, y)
+    curve = _risk_curve(probs, y)
     return {
         "acc": accuracy(probs, y).item(),
         "nll": nll_value.item(),
         "brier": brier(probs.double(), y).item(),
         "ece": ece(probs, y, ece_bins).item(),
+        "ece_adaptive": adaptive_ece(probs, y, ece_bins).item(),
+        "ece_classwise": classwise_ece(probs, y, ece_bins).item(),
+        "aurc": curve.mean().item(),
+        **{f"risk_cov{round(100 * c)}": _at_coverage(curve, c).item() for c in RISK_COVERAGES},
     }
 
 

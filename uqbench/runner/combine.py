@@ -43,6 +43,7 @@ from uqbench.records.loggers import log_results, run_labels
 from uqbench.records.results import write_stage
 from uqbench.records.runfolder import RunFolder, RunLock, finished
 from uqbench.runner.evaluation import score
+from uqbench.tasks.classification import join_members
 
 log = logging.getLogger("uqbench")
 MEMBER_KEY = "method.member"
@@ -161,7 +162,7 @@ def load_predictions(member: Member, splits: list[str]) -> dict[str, dict[str, n
 
 def stack(members: list[Member], per_member: list[dict[str, dict[str, np.ndarray]]]
           ) -> dict[str, dict[str, np.ndarray]]:
-    """member_probs (M, N, C) in member order, one labels (N,) that every member agrees on."""
+    """The members' predictions as one ensemble's (``join_members``), once their labels agree."""
     combined = {}
     for split in per_member[0]:
         labels = per_member[0][split]["labels"]
@@ -169,8 +170,7 @@ def stack(members: list[Member], per_member: list[dict[str, dict[str, np.ndarray
             if not np.array_equal(preds[split]["labels"], labels):
                 raise ValueError(f"{m.folder}: the labels of split '{split}' differ from "
                                  f"{members[0].folder}'s: the members did not see the same data")
-        combined[split] = {"member_probs": np.concatenate(
-            [p[split]["member_probs"] for p in per_member]), "labels": labels}      # (M, N, C)
+        combined[split] = join_members([p[split] for p in per_member])          # (M, N, C)
     return combined
 
 

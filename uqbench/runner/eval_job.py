@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
-import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -31,6 +30,7 @@ from uqbench.runner import checkpoints
 from uqbench.runner.engine import resolve_device
 from uqbench.runner.evaluation import Splits, predict_splits, score
 from uqbench.runner.parts import build_parts, environment, method_diagnostics, seed_and_threads
+from uqbench.tasks.classification import join_members
 
 log = logging.getLogger("uqbench")
 
@@ -131,8 +131,8 @@ def _predict(configs: dict[Path, DictConfig], device: torch.device
     diagnostics = (method_diagnostics(method, data, device, scored=splits.eval)
                    if len(parts) == 1 else {})
     predictions = parts[0] if len(parts) == 1 else {
-        split: {k: (np.concatenate([p[split][k] for p in parts]) if k == "member_probs"
-                    else v) for k, v in parts[0][split].items()} for split in parts[0]}
+        split: (join_members([p[split] for p in parts]) if "member_probs" in parts[0][split]
+                else parts[0][split]) for split in parts[0]}
     return predictions, data, splits, task, diagnostics
 
 

@@ -22,6 +22,21 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 
+def join_members(parts: list[Predictions]) -> Predictions:
+    """The predictions of separately predicted members as one ensemble's: member_probs joined
+    in member order, the mean logits averaged with each part's member count as weight (kept
+    only where every part has them), everything else (labels) from the first part."""
+    counts = [len(p["member_probs"]) for p in parts]
+    joined = dict(parts[0]) | {"member_probs": np.concatenate([p["member_probs"] for p in parts])}
+    if all("mean_logits" in p for p in parts):
+        joined["mean_logits"] = (sum(n * p["mean_logits"].astype(np.float64)
+                                     for n, p in zip(counts, parts, strict=True))
+                                 / sum(counts)).astype(np.float32)
+    else:
+        joined.pop("mean_logits", None)
+    return joined
+
+
 class ClassificationTask(Task):
     """Metrics of an M-member predictive distribution.
 
@@ -42,14 +57,18 @@ class ClassificationTask(Task):
     @torch.no_grad()
     def predict(self, method: torch.nn.Module, loader: DataLoader,
                 device: torch.device) -> Predictions:
-        """member_probs (M, N, C) float32 and labels (N,) int64 over the whole loader."""
+        """member_probs (M, N, C) float32, the members' mean logits (N, C) float32 (the
+        energy and max-logit scores; probabilities lose each member's logit offset) and
+        labels (N,) int64 over the whole loader."""
         method.eval()
-        probs, labels = [], []
+        probs, mean_logits, labels = [], [], []
         for inputs, y in loader:
-            logits = method(to_device(inputs, device))                        # (M, B, C)
-            probs.append(torch.softmax(logits.float(), dim=-1).cpu())
+            logits = method(to_device(inputs, device)).float()                # (M, B, C)
+            probs.append(torch.softmax(logits, dim=-1).cpu())
+            mean_logits.append(logits.mean(0).cpu())
             labels.append(y.cpu())
         return {"member_probs": torch.cat(probs, dim=1).numpy().astype(np.float32),
+                "mean_logits": torch.cat(mean_logits).numpy().astype(np.float32),
                 "labels": torch.cat(labels).numpy().astype(np.int64)}
 
     @staticmethod
@@ -86,11 +105,18 @@ class ClassificationTask(Task):
                              f"predictions; the dataset must list 'test' in eval_splits")
         id_variants = self._variants(split, self._tensors(id_preds)[0], calibration)
         ood_variants = self._variants(split, self._tensors(ood_preds)[0], calibration)
+        logits = "mean_logits" in id_preds and "mean_logits" in ood_preds
         out: dict[str, float] = {}
         for (prefix, id_probs), (_, ood_probs) in zip(id_variants, ood_variants, strict=True):
             id_scores = M.ood_scores(id_probs, self.aggregation)
             ood_scores = M.ood_scores(ood_probs, self.aggregation)
-            for score in M.OOD_SCORES:
+            if logits:
+                t = calibration["temperature"] if prefix.endswith("/ts") and calibration else 1.0
+                id_scores |= M.logit_scores(torch.from_numpy(id_preds["mean_logits"]), t)
+                ood_scores |= M.logit_scores(torch.from_numpy(ood_preds["mean_logits"]), t)
+            for score in id_scores:
+                if score == "mi" and id_probs.shape[0] == 1:
+                    continue  # one member: the mutual information is 0 for every input
                 for key, value in M.ood_detection(id_scores[score], ood_scores[score]).items():
                     out[f"{prefix}/{key}_{score}"] = value
         return out
