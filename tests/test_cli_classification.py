@@ -4,6 +4,7 @@ data (one Hydra multirun per modality), and the overhead job with its table."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -83,6 +84,14 @@ def test_each_method_runs_end_to_end_and_its_metrics_recompute(image_runs, metho
     for key, value in recompute(tempered, test["labels"]).items():
         assert res["metrics"][f"test/ts/{key}"] == pytest.approx(value, abs=1e-5), key
     val = np.load(run_dir / "predictions/val.npz")
+    # conformal thr sets at 90 %: q is the ⌈(n + 1)·0.9⌉-th smallest 1 − p̄(y) on val
+    val_mean = val["member_probs"].astype(np.float64).mean(0)
+    scores = np.sort(1 - val_mean[np.arange(len(val["labels"])), val["labels"]])
+    q = scores[math.ceil((len(scores) + 1) * 0.9) - 1] if len(scores) >= 9 else np.inf
+    sets = 1 - test["member_probs"].astype(np.float64).mean(0) <= q + 1e-12
+    assert res["metrics"]["test/cp_thr/coverage"] == pytest.approx(
+        sets[np.arange(32), test["labels"]].mean())
+    assert res["metrics"]["test/cp_thr/set_size"] == pytest.approx(sets.sum(1).mean())
     raw_val_nll = recompute(val["member_probs"], val["labels"])["nll"]
     assert res["metrics"]["val/ts/nll"] <= raw_val_nll + 1e-6
     assert res["cost"]["forward_flops_per_example"] > 0

@@ -40,8 +40,14 @@ def test_run_writes_results_and_predictions_that_recompute(tmp_path):
     # has one input, an outer product computed elementwise (no matrix product to count)
     assert res["cost"]["forward_flops_per_example"] == 3 * 2 * 4 * 2
     assert res["cost"]["peak_memory_bytes"] > 10**6
-    assert res["calibration"] is None  # regression has no post-hoc calibration
     assert "val/nll" in res["metrics"]  # the validation split is scored too
+    # split-conformal intervals at 90 %: q is the ⌈(n + 1)·0.9⌉-th smallest validation score
+    # |y − μ|/σ (n = 50: the 46th), recomputed here from the saved validation predictions
+    v = np.load(run_dir / "predictions" / "val.npz")
+    scores = np.sort(np.abs(v["y"] - v["mean"]).ravel() / np.sqrt(v["var"]).ravel())
+    q = scores[math.ceil(51 * 0.9) - 1]
+    assert res["calibration"]["conformal_normalized"] == pytest.approx(q, rel=1e-6)
+    assert "val/cp/coverage" not in res["metrics"]  # fitted there: not a measurement
     assert (run_dir / "config.yaml").exists() and (run_dir / "figure.png").exists()
     for split in ("test", "ood"):
         p = np.load(run_dir / "predictions" / f"{split}.npz")
@@ -58,6 +64,8 @@ def test_run_writes_results_and_predictions_that_recompute(tmp_path):
         assert m[f"{split}/coverage_2sigma"] == pytest.approx(
             (np.abs(y - mu) <= 2 * sd).mean(), abs=1e-9)
         assert m[f"{split}/mean_std"] == pytest.approx(sd.mean(), rel=1e-5)
+        assert m[f"{split}/cp/coverage"] == pytest.approx((np.abs(y - mu) <= q * sd).mean())
+        assert m[f"{split}/cp/width"] == pytest.approx(2 * q * sd.mean(), rel=1e-5)
         true = p["noise_std"].astype(np.float64)
         assert m[f"{split}/noise_std_ratio"] == pytest.approx(sd.mean() / true.mean(), rel=1e-5)
         assert m[f"{split}/noise_std_error"] == pytest.approx(

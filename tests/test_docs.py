@@ -98,6 +98,16 @@ def produced() -> set[str]:
     bnn = BayesianMLP(MLP(width=2), DataInfo(task="regression", in_dim=1, out_dim=1),
                       check_samples=4)
     names |= set(bnn.diagnostics(t))
+    # the conformal sets' and intervals' keys, <split>/cp_<score>/<name> and <split>/cp/<name>
+    from uqbench.tasks.classification import ClassificationTask
+    from uqbench.tasks.regression import RegressionTask
+
+    cls = {"member_probs": probs.numpy(), "labels": y.numpy()}
+    task = ClassificationTask(conformal=["thr", "aps", "raps"])
+    names |= {k.split("/")[-1] for k in task.metrics("test", cls, task.calibrate(cls))}
+    reg = {"y": t.numpy(), "mean": t.numpy(), "var": (t + 1).numpy()}
+    rtask = RegressionTask()
+    names |= {k.split("/")[-1] for k in rtask.metrics("test", reg, rtask.calibrate(reg))}
     return names
 
 

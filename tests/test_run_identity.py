@@ -175,9 +175,16 @@ def test_the_table_layout_is_no_part_of_the_identity_nor_of_the_path(compose_cfg
 
 def test_added_keys_take_the_value_older_runs_used():
     assert ADDED_KEYS == {"trainer.precision": "32", "method.rank": None,
-                          "method.masks": "torch", "trainer.select_metric": "nll"}
+                          "method.masks": "torch", "trainer.select_metric": "nll",
+                          "task.conformal_alpha": 0.1, "task.conformal": ["thr", "aps"],
+                          "task.conformal_score": "normalized"}
     assert differences({"trainer": {}}, {"trainer": {"precision": "32"}}) == []
     assert differences({"trainer": {}}, {"trainer": {"precision": "16-mixed"}}) != []
+    # a run stored before the conformal sets is today's default run without their metrics
+    task = {"_target_": "uqbench.tasks.classification.ClassificationTask", "ece_bins": 15}
+    today = dict(task, conformal_alpha=0.1, conformal=["thr", "aps"])
+    assert differences({"task": task}, {"task": today}) == []
+    assert differences({"task": task}, {"task": dict(today, conformal_alpha=0.2)}) != []
     assert differences({"trainer": {}}, {"trainer": {"select_metric": "nll"}}) == []
     assert differences({"trainer": {}}, {"trainer": {"select_metric": "acc"}}) != []
 

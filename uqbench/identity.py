@@ -46,9 +46,13 @@ ENGINE_LAYOUT = ("strategy", "devices", "num_nodes", "accumulate", "activation_c
 # Keys added to the config since runs were first stored, with the value the older runs used.
 # rank: null is SVE as it always was; MC-Dropout's earlier runs drew nn.Dropout's masks (the
 # fast masks draw other numbers for a seed, so those runs are another configuration);
-# select_metric: nll is the lowest validation loss that select=best always kept.
+# select_metric: nll is the lowest validation loss that select=best always kept. The conformal
+# options only add metrics (split-conformal sets fitted on val after training): a run stored
+# before they existed is the same run without those metrics (`job=eval` adds them).
 ADDED_KEYS: dict[str, Any] = {"trainer.precision": "32", "method.rank": None,
-                              "method.masks": "torch", "trainer.select_metric": "nll"}
+                              "method.masks": "torch", "trainer.select_metric": "nll",
+                              "task.conformal_alpha": 0.1, "task.conformal": ["thr", "aps"],
+                              "task.conformal_score": "normalized"}
 
 
 def speed_options(config: dict[str, Any]) -> tuple[str, ...]:

@@ -205,7 +205,8 @@ def _risk_curve(probs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     samples_before = (torch.cumsum(counts, 0) - counts)[group].double()
     k = torch.arange(1, len(conf) + 1, dtype=torch.float64)
     errors = errors_before + group_errors[group] * (k - samples_before) / counts[group].double()
-    return errors / k
+    curve: torch.Tensor = errors / k
+    return curve
 
 
 def aurc(probs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ recomputed from ``predictions/<split>.npz``) and computes the metrics defined in
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from uqbench import metrics as M
 from uqbench.contracts import one_of, to_device
+from uqbench.tasks import conformal as CP
 from uqbench.tasks.base import Predictions, Task
 
 if TYPE_CHECKING:
@@ -29,12 +31,22 @@ def join_members(parts: list[Predictions]) -> Predictions:
     counts = [len(p["member_probs"]) for p in parts]
     joined = dict(parts[0]) | {"member_probs": np.concatenate([p["member_probs"] for p in parts])}
     if all("mean_logits" in p for p in parts):
-        joined["mean_logits"] = (sum(n * p["mean_logits"].astype(np.float64)
-                                     for n, p in zip(counts, parts, strict=True))
-                                 / sum(counts)).astype(np.float32)
+        weighted = np.stack([n * p["mean_logits"].astype(np.float64)
+                             for n, p in zip(counts, parts, strict=True)])
+        joined["mean_logits"] = (weighted.sum(0) / sum(counts)).astype(np.float32)
     else:
         joined.pop("mean_logits", None)
     return joined
+
+
+def check_alpha(alpha: float | None) -> float | None:
+    """task.conformal_alpha: a miscoverage level in (0, 1), or None (no conformal sets)."""
+    if alpha is None:
+        return None
+    if not 0 < float(alpha) < 1:
+        raise ValueError(f"task.conformal_alpha must be in (0, 1) (0.1: sets that cover 90 % "
+                         f"of labels) or null (none), got {alpha}")
+    return float(alpha)
 
 
 class ClassificationTask(Task):
@@ -42,17 +54,26 @@ class ClassificationTask(Task):
 
     ece_bins: equal-width ECE bins (15 default, 10 as in LoRA-Ensemble).
     aggregation: mean_probs (the mixture, default) | mean_logits (softmax of mean logits).
+    conformal_alpha: split-conformal prediction sets fitted on the validation split, for a
+    coverage of 1 − α (null: none); conformal: their scores (thr, aps, raps).
     """
 
     name = "classification"
-    METRICS = {"acc": "maximize", "nll": "minimize", "brier": "minimize", "ece": "minimize"}
+    METRICS = {"acc": "maximize", "nll": "minimize", "brier": "minimize", "ece": "minimize",
+               "ece_adaptive": "minimize", "ece_classwise": "minimize", "aurc": "minimize",
+               "risk_cov80": "minimize", "risk_cov90": "minimize"}
 
-    def __init__(self, ece_bins: int = 15, aggregation: M.Aggregation = "mean_probs") -> None:
+    def __init__(self, ece_bins: int = 15, aggregation: M.Aggregation = "mean_probs",
+                 conformal_alpha: float | None = 0.1,
+                 conformal: Sequence[CP.ClassScore] = ("thr", "aps")) -> None:
         if int(ece_bins) < 1:
             raise ValueError(f"task.ece_bins must be a positive integer (15 or 10 are usual), "
                              f"got {ece_bins}")
         self.ece_bins = int(ece_bins)
         self.aggregation = one_of("task.aggregation", aggregation, M.Aggregation)
+        self.conformal_alpha = check_alpha(conformal_alpha)
+        self.conformal = tuple(one_of("task.conformal", str(c), CP.ClassScore)
+                               for c in conformal or ())
 
     @torch.no_grad()
     def predict(self, method: torch.nn.Module, loader: DataLoader,
@@ -76,9 +97,19 @@ class ClassificationTask(Task):
         return torch.from_numpy(preds["member_probs"]), torch.from_numpy(preds["labels"])
 
     def calibrate(self, val_preds: Predictions) -> dict[str, float]:
-        """Post-hoc temperature scaling: the T minimising the validation NLL (LBFGS)."""
+        """Post-hoc temperature scaling: the T minimising the validation NLL (LBFGS); and the
+        conformal quantile of each conformal score on the validation split
+        (``conformal_<score>``, with ``conformal_alpha``)."""
         member_probs, y = self._tensors(val_preds)
-        return {"temperature": M.fit_temperature(member_probs, y, self.aggregation)}
+        fitted = {"temperature": M.fit_temperature(member_probs, y, self.aggregation)}
+        if self.conformal_alpha is not None and self.conformal:
+            probs = M.aggregate(member_probs, self.aggregation)
+            fitted["conformal_alpha"] = self.conformal_alpha
+            for method in self.conformal:
+                scores = CP.class_scores(probs, y, method)
+                fitted[f"conformal_{method}"] = CP.conformal_quantile(scores,
+                                                                      self.conformal_alpha)
+        return fitted
 
     def metrics(self, split: str, preds: Predictions,
                 calibration: dict[str, float] | None = None) -> dict[str, float]:
@@ -89,6 +120,14 @@ class ClassificationTask(Task):
         for prefix, probs in self._variants(split, member_probs, calibration):
             values = M.classification_metrics(probs, y, self.ece_bins, self.aggregation)
             out |= {f"{prefix}/{k}": v for k, v in values.items()}
+        if calibration and split != "val":  # the sets are fitted on val: scored elsewhere
+            probs = M.aggregate(member_probs, self.aggregation)
+            for method in self.conformal:
+                if f"conformal_{method}" in calibration:
+                    sets = CP.prediction_sets(probs, calibration[f"conformal_{method}"], method)
+                    covered = sets.gather(1, y.view(-1, 1)).double()
+                    out[f"{split}/cp_{method}/coverage"] = covered.mean().item()
+                    out[f"{split}/cp_{method}/set_size"] = sets.sum(1).double().mean().item()
         return out
 
     def ood_metrics(self, split: str, id_preds: Predictions, ood_preds: Predictions,

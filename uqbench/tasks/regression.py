@@ -8,17 +8,47 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from uqbench.contracts import to_device
+from uqbench.contracts import one_of, to_device
 from uqbench.metrics import noise_recovery, regression_metrics
+from uqbench.tasks import conformal as CP
 from uqbench.tasks.base import Predictions, Task
+from uqbench.tasks.classification import check_alpha
 
 
 class RegressionTask(Task):
+    """Metrics of a Gaussian predictive distribution (mean and total variance per output).
+
+    conformal_alpha: split-conformal intervals fitted on the validation split, for a coverage
+    of 1 − α (null: none); conformal_score: normalized (|y − μ|/σ: μ ± q·σ) | absolute
+    (|y − μ|: μ ± q). Every output coordinate of every example is one score.
+    """
+
     name = "regression"
     # the noise_std_* metrics only on data that knows its true noise (synthetic sets)
     METRICS = {"nll": "minimize", "rmse": "minimize", "coverage_1sigma": None,
                "coverage_2sigma": None, "mean_std": None, "noise_std_ratio": None,
                "noise_std_error": "minimize"}
+
+    def __init__(self, conformal_alpha: float | None = 0.1,
+                 conformal_score: CP.RegressionScore = "normalized") -> None:
+        self.conformal_alpha = check_alpha(conformal_alpha)
+        self.conformal_score = one_of("task.conformal_score", conformal_score,
+                                      CP.RegressionScore)
+
+    def calibrate(self, val_preds: Predictions) -> dict[str, float] | None:
+        """The conformal quantile of the validation scores (``conformal_<score>``), or None
+        without conformal intervals."""
+        if self.conformal_alpha is None:
+            return None
+        t = self._flat(val_preds)
+        scores = CP.regression_scores(t["y"], t["mean"], t["var"], self.conformal_score)
+        return {"conformal_alpha": self.conformal_alpha,
+                f"conformal_{self.conformal_score}": CP.conformal_quantile(
+                    scores, self.conformal_alpha)}
+
+    @staticmethod
+    def _flat(preds: Predictions) -> dict[str, torch.Tensor]:
+        return {k: torch.from_numpy(preds[k]).double().flatten() for k in ("y", "mean", "var")}
 
     @torch.no_grad()
     def predict(self, method: torch.nn.Module, loader: DataLoader,
@@ -41,11 +71,19 @@ class RegressionTask(Task):
         values = regression_metrics(t["y"], t["mean"], t["var"])
         if "noise_std" in preds:  # the data knows its true noise: score its recovery
             values |= noise_recovery(t["var"].sqrt(), torch.from_numpy(preds["noise_std"]).double())
+        qhat = (calibration or {}).get(f"conformal_{self.conformal_score}")
+        if qhat is not None and split != "val":  # fitted on val: scored on the other splits
+            f = self._flat(preds)
+            scores = CP.regression_scores(f["y"], f["mean"], f["var"], self.conformal_score)
+            lower, upper = CP.regression_intervals(f["mean"], f["var"], qhat,
+                                                   self.conformal_score)
+            values |= {"cp/coverage": (scores <= qhat).double().mean().item(),
+                       "cp/width": (upper - lower).mean().item()}
         return {f"{split}/{k}": v for k, v in values.items()}
 
     def ood_metrics(self, split: str, id_preds: Predictions, ood_preds: Predictions,
                     calibration: dict[str, float] | None = None) -> dict[str, float]:
-        return self.metrics(split, ood_preds)
+        return self.metrics(split, ood_preds, calibration)
 
     def val_loss(self, preds: Predictions) -> float:
         return self.metrics("val", preds)["val/nll"]
