@@ -21,8 +21,10 @@ FAST = ["trainer.epochs=1", "trainer.val_every=1", "trainer.progress=false", "lo
 # FAST's overrides that change a result make one more folder level, keys sorted (by hand)
 FAST_DIR = "trainer.epochs=1,trainer.val_every=1"
 IMAGE_RUNS = {"sve": ("sve_m4", 4), "svf": ("svf", 1), "lora_ensemble": ("lora_m4_r8", 4),
-              "deep_ensemble": ("de_m4", 4), "deep_ensemble_lp": ("de_lp_m4", 4),
-              "mc_dropout": ("mcdo_t10_p0.1", 10), "single": ("single", 1)}
+              "batch_ensemble": ("be_m4", 4), "blob": ("blob_s10_r8", 10),
+              "map_lora": ("map_lora_r8", 1), "deep_ensemble": ("de_m4", 4),
+              "deep_ensemble_lp": ("de_lp_m4", 4), "mc_dropout": ("mcdo_t10_p0.1", 10),
+              "single": ("single", 1)}
 
 
 def recompute(member_probs: np.ndarray, labels: np.ndarray) -> dict[str, float]:

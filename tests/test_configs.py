@@ -101,6 +101,11 @@ def test_run_dir_is_deterministic_and_run_name_replaces_it(compose_cfg):
     ("sve", 1e-3, 0.05, 16, 10),            # P1's public release
     ("svf", 1e-3, 0.05, 16, 10),
     ("lora_ensemble", 1e-4, 0.0, 32, 10),   # LoRA-Ensemble's official settings
+    ("batch_ensemble", 1e-3, 0.05, 16, 10),  # P1's, as SVE (ours)
+    ("laplace_lora", 1e-4, 0.0, 32, 10),    # a one-member LoRA-Ensemble's (ours)
+    ("map_lora", 1e-4, 0.0, 32, 10),
+    ("blob", 1e-4, 0.0, 32, 10),            # LoRA-Ensemble's (ours)
+    ("last_layer_laplace", 1e-4, 0.0, 32, 16),  # the single model's
     ("deep_ensemble", 1e-4, 0.0, 32, 16),   # full fine-tuning (LoRA-Ensemble's baselines)
     ("single", 1e-4, 0.0, 32, 16),
     ("mc_dropout", 1e-4, 0.0, 32, 16),

@@ -70,6 +70,12 @@ class Method(nn.Module):
         the global random state as it found it."""
         return {}
 
+    def fit_posthoc(self, data: Any, device: torch.device) -> dict[str, Any]:
+        """A step after training and before scoring, on the trained (or loaded) weights and
+        the set-up data (Laplace methods fit their posterior here); what it returns goes into
+        results.json under ``posthoc``. Nothing by default."""
+        return {}
+
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
         """Name → parameter of everything the method trains, in registration order."""
         return dict(self.named_parameters())

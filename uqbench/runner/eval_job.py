@@ -126,6 +126,7 @@ def _predict(configs: dict[Path, DictConfig], device: torch.device
         seed_and_threads(source_cfg)
         method, data, task, _, splits = build_parts(source_cfg, device)
         method.load_trainable_state({k: v.to(device) for k, v in state["trainable"].items()})
+        method.fit_posthoc(data, device)  # e.g. a Laplace posterior, refitted on these weights
         parts.append(predict_splits(method, data, task, device, splits))
     # a model scored from one checkpoint can check itself; members combined cannot
     diagnostics = (method_diagnostics(method, data, device, scored=splits.eval)

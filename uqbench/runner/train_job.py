@@ -1,5 +1,8 @@
 """The training job (``job=train``) and the parameter job (``job=params``).
 
+Longer than most modules: a training job's whole life (build, train, the method's post-hoc
+step, score, publish, checkpoint) reads top to bottom in one file.
+
 Both write one run folder through :class:`uqbench.records.runfolder.RunFolder`: the job holds
 its lock throughout, mends what a killed job left, reuses a finished run only if it has the
 same configuration, and publishes all files at once. A training job continues an unfinished
@@ -178,6 +181,7 @@ class Scored:
     calibration: Any
     eval_s: float
     cost: dict[str, Any]
+    posthoc: dict[str, Any]  # what Method.fit_posthoc returned
 
 
 def _train(fabric: Any, cfg: DictConfig, folder: RunFolder, trainer: Any, header: dict,
@@ -251,12 +255,13 @@ def _fit(fabric: Any, trainer: Any, built: Built, logger: Logger, resume: dict |
 
 
 def _score(built: Built, device: torch.device) -> Scored:
+    posthoc = built.method.fit_posthoc(built.data, device)
     start = time.perf_counter()
     metrics, predictions, calibration = evaluate(built.model, built.data, built.task, device,
                                                  built.splits)
     eval_s = time.perf_counter() - start
     cost = forward_cost(built.model, built.data, device, built.splits.cost_split)
-    return Scored(metrics, predictions, calibration, eval_s, cost)
+    return Scored(metrics, predictions, calibration, eval_s, cost, posthoc)
 
 
 def _results(cfg: DictConfig, config: dict, header: dict, trainer: Any, fabric: Any,
@@ -281,6 +286,7 @@ def _results(cfg: DictConfig, config: dict, header: dict, trainer: Any, fabric: 
         "params": built.params,
         "metrics": metrics,
         "calibration": scored.calibration,
+        "posthoc": scored.posthoc,
         "time": {"train_s": train["train_s"], "eval_s": scored.eval_s,
                  "diagnostics_s": diagnostics_s},
         "cost": scored.cost,

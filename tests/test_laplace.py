@@ -1,0 +1,175 @@
+"""Laplace-LoRA and last-layer Laplace: the posterior laplace-torch builds inside the methods
+against the closed form of the generalised Gauss-Newton posterior, computed here by hand from
+per-example Jacobians (torch.func), and the methods end to end from the command line."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests.helpers import build_method as build
+from tests.helpers import run_cli
+from uqbench.methods.laplace import MapLoRALinear
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class TinyData:
+    """Random 16×16 images with 3 classes: train and val loaders, as a dataset object gives."""
+
+    name, has_val = "tiny", True
+
+    def __init__(self, n_train: int = 24, n_val: int = 12) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.splits = {split: (torch.randn(n, 3, 16, 16, generator=g),
+                               torch.randint(3, (n,), generator=g))
+                       for split, n in (("train", n_train), ("val", n_val))}
+
+    def loader(self, split: str) -> DataLoader:
+        return DataLoader(TensorDataset(*self.splits[split]), batch_size=8)
+
+
+def ggn_precision(logits_of, params: list[torch.Tensor], x: torch.Tensor,
+                  prior_precision: float) -> torch.Tensor:
+    """Σ_n J_nᵀ (diag p_n − p_n p_nᵀ) J_n + τ I over the examples of ``x``: the GGN posterior
+    precision of softmax cross-entropy, J_n = ∂ logits(x_n) / ∂ params (flattened, in order)."""
+    from torch.func import functional_call, jacrev  # noqa: F401  (jacrev over a flat vector)
+
+    flat = torch.cat([p.detach().flatten() for p in params]).double()
+    shapes = [p.shape for p in params]
+
+    def logits(vector: torch.Tensor, xi: torch.Tensor) -> torch.Tensor:
+        chunks, start = [], 0
+        for shape in shapes:
+            n = int(np.prod(shape))
+            chunks.append(vector[start:start + n].view(shape).float())
+            start += n
+        return logits_of(chunks, xi[None])[0].double()
+
+    precision = prior_precision * torch.eye(len(flat), dtype=torch.float64)
+    for xi in x:
+        J = jacrev(logits)(flat, xi)                                            # (C, P)
+        p = torch.softmax(logits(flat, xi), -1)
+        precision += J.T @ (torch.diag(p) - torch.outer(p, p)) @ J
+    return precision
+
+
+def test_last_layer_posterior_is_the_closed_form_ggn(cfg):
+    m, _ = build(cfg, "tiny_vit", "last_layer_laplace", "method.hessian=full",
+              "method.finetune=false", "method.prior_grid=[-1,1,3]")
+    data = TinyData()
+    with torch.no_grad():  # a trained head: not the initial one
+        m.head.weight.normal_(0, 1.0)
+    posthoc = m.fit_posthoc(data, torch.device("cpu"))["laplace"]
+    assert posthoc["weights"] == 3 * 16 + 3 and posthoc["hessian"] == "full"
+    tau = posthoc["prior_precision"]
+    assert min(abs(np.log10(tau) - g) for g in (-1, 0, 1)) < 1e-6      # a point of the grid
+    m.eval()
+    with torch.no_grad():
+        features = m.encoder(data.splits["train"][0])                  # (N, D), frozen
+
+    def logits_of(chunks, phi):                                        # the head on features
+        weight, bias = chunks
+        return phi @ weight.T + bias
+
+    expected = ggn_precision(logits_of, [m.head.weight[0], m.head.bias[0]], features, tau)
+    got = m.posterior.posterior_precision.double()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_laplace_lora_posterior_covers_exactly_the_lora_weights(cfg):
+    m, _ = build(cfg, "tiny_vit", "laplace_lora", "method.hessian=full", "method.rank=2",
+              "method.prior_grid=[-1,1,3]")
+    data = TinyData(n_train=10)
+    with torch.no_grad():  # trained adapters: B ≠ 0, so the Jacobian of A is not 0
+        for layer in (x for x in m.modules() if isinstance(x, MapLoRALinear)):
+            layer.lora_B.weight.normal_(0, 0.5)
+    m.eval()
+    _, covered = m.laplace_model()
+    posthoc = m.fit_posthoc(data, torch.device("cpu"))["laplace"]
+    assert posthoc["weights"] == sum(p.numel() for p in covered) > 0
+    layers = [x for x in m.modules() if isinstance(x, MapLoRALinear)]
+    # a functional copy of the model: its adapters' weights replaced by the given tensors
+    twin = copy.deepcopy(m).eval()
+    twin.posterior = None
+    twin_layers = [x for x in twin.modules() if isinstance(x, MapLoRALinear)]
+
+    def logits_of(chunks, x):
+        for layer, a, b in zip(twin_layers, chunks[0::2], chunks[1::2], strict=True):
+            del layer.lora_A.weight, layer.lora_B.weight
+            layer.lora_A.weight, layer.lora_B.weight = a, b
+        return twin.logits(x)[0]
+
+    params = [p for layer in layers for p in (layer.lora_A.weight, layer.lora_B.weight)]
+    expected = ggn_precision(logits_of, params, data.splits["train"][0],
+                             posthoc["prior_precision"])
+    torch.testing.assert_close(m.posterior.posterior_precision.double(), expected,
+                               rtol=2e-3, atol=1e-4)
+
+
+def test_map_lora_starts_as_the_pretrained_model_and_draws_differ_after_the_fit(cfg):
+    m, _ = build(cfg, "tiny_vit", "laplace_lora", "method.prior_grid=[-1,1,3]")
+    reference = copy.deepcopy(m.encoder).eval()
+    for name, module in list(reference.named_modules()):                # unwrap the adapters
+        if isinstance(module, MapLoRALinear):
+            parent, _, child = name.rpartition(".")
+            setattr(reference.get_submodule(parent) if parent else reference, child,
+                    module.base_layer)
+    m.eval()
+    x = torch.randn(5, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), m.head(reference(x)[None]))    # B = 0: the backbone
+    with torch.no_grad():
+        for layer in (x for x in m.modules() if isinstance(x, MapLoRALinear)):
+            layer.lora_B.weight.normal_(0, 0.5)
+    m.fit_posthoc(TinyData(), torch.device("cpu"))
+    draws = m(x)                                                         # (S, B, C) log-probs
+    assert draws.shape == (16, 5, 3)
+    torch.testing.assert_close(draws.exp().sum(-1), torch.ones(16, 5))
+    assert draws.exp().std(0).mean() > 1e-4                              # the draws differ
+    m.train()
+    assert m(x).shape == (1, 5, 3)                                       # training: the MAP
+
+
+@pytest.mark.parametrize("override,message", [
+    ("method.hessian=bogus", "bogus"), ("method.samples=0", "samples"),
+    ("method.prior_grid=[1,0,3]", "prior_grid")])
+def test_bad_options_are_refused(cfg, override, message):
+    with pytest.raises(ValueError, match=message):
+        build(cfg, "tiny_vit", "laplace_lora", override)
+
+
+def test_runs_end_to_end_with_the_posterior_recorded(tmp_path):
+    run_cli("-m", "backbone=tiny_vit", "dataset=fake_images",
+            "method=map_lora,laplace_lora,last_layer_laplace", "++method.prior_grid=[-2,2,3]",
+            f"paths.runs_dir={tmp_path}", "trainer.epochs=1", "trainer.progress=false",
+            "logger=none")
+    for name, members in (("map_lora_r8", 1), ("laplace_lora_r8", 16),
+                          ("last_layer_laplace", 16)):
+        run = next((tmp_path / "default/fake_images" / name / "tiny_vit").glob("*/seed0"))
+        res = json.loads((run / "results.json").read_text())
+        assert np.isfinite(res["metrics"]["test/nll"]) and "ood/auroc_msp" in res["metrics"]
+        probs = np.load(run / "predictions/test.npz")["member_probs"]
+        assert probs.shape[0] == members
+        if members > 1:
+            laplace = res["posthoc"]["laplace"]
+            assert min(abs(np.log10(laplace["prior_precision"]) - g) for g in (-2, 0, 2)) < 1e-6
+            assert laplace["selected_by"] == "val/nll" and laplace["hessian"] == "kron"
+        else:
+            assert res["posthoc"] == {}
+
+
+@pytest.mark.slow
+def test_laplace_lora_runs_on_a_text_backbone(tmp_path):
+    run_cli("backbone=tiny_bert", "dataset=fake_text", "method=laplace_lora",
+            "method.prior_grid=[-2,2,3]", f"paths.runs_dir={tmp_path}", "trainer.epochs=1",
+            "trainer.progress=false", "logger=none")
+    run = next((tmp_path / "default/fake_text/laplace_lora_r8/tiny_bert").glob("*/seed0"))
+    res = json.loads((run / "results.json").read_text())
+    assert res["posthoc"]["laplace"]["weights"] > 0 and np.isfinite(res["metrics"]["test/nll"])
+    assert np.load(run / "predictions/test.npz")["member_probs"].shape[0] == 16

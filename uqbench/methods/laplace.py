@@ -1,0 +1,309 @@
+"""Laplace approximations after a MAP fine-tune: Laplace-LoRA and last-layer Laplace.
+
+Both train one model as usual (maximum a posteriori with the trainer's weight decay), then
+fit a Gaussian posterior N(θ_MAP, P⁻¹) around part of its weights after training, with the
+maintained laplace-torch library (Daxberger et al., 2021, "Laplace Redux"):
+
+- **Laplace-LoRA** (Yang, Robeyns, Wang & Aitchison, ICLR 2024): a LoRA fine-tune of the
+  frozen backbone (``MAP LoRA``), then a Laplace approximation over the LoRA parameters only,
+  with a Kronecker-factored (KFAC) Hessian. The adapters are ``nn.Linear`` modules (as peft's),
+  so the curvature backends see them as linear layers: y = W x + b + scaling · B(A x).
+- **Last-layer Laplace** (the cheap post-hoc baseline): a single model (fine-tuned, or a linear
+  probe), then a Laplace approximation over the classification head only.
+
+The prior precision is chosen on the validation split by grid search over the NLL of the
+probit-approximated linearised predictive (laplace-torch's ``gridsearch``), as the papers tune
+it on held-out data. At evaluation the method returns ``samples`` draws of the linearised (GLM)
+predictive, the logits f ~ N(f_MAP, J P⁻¹ Jᵀ), as members (S, B, C): the task averages their
+softmax like an ensemble's. Before the posterior is fitted (training, and the validation
+passes that choose the epoch) the method is the MAP model, logits (1, B, C).
+
+The runner calls :meth:`LaplaceMethod.fit_posthoc` after training and after loading a
+checkpoint (``job=eval``); the fit reads the training split once, so it is deterministic.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator, MutableMapping
+from typing import Any, Literal, cast, get_args
+
+import torch
+from torch import nn
+
+from uqbench.backbones.base import Backbone
+from uqbench.contracts import DataInfo, to_device
+from uqbench.methods.ensemble import EnsembleMethod, positive_int
+from uqbench.methods.layers import MemberLinear, Targets, replace_linears, resolve_targets
+
+log = logging.getLogger("uqbench")
+
+Hessian = Literal["kron", "diag", "full"]
+HESSIANS: tuple[str, ...] = get_args(Hessian)
+
+
+class MapLoRALinear(MemberLinear):
+    """One low-rank adapter on a frozen linear layer, as ``nn.Linear`` modules (peft's form):
+    y = base_layer(x) + scaling · lora_B(lora_A(x)), lora_A (r × in) Kaiming-uniform as
+    ``nn.Linear``'s default, lora_B (out × r) zeros: the model starts as the pretrained one."""
+
+    adapter_names = ("lora_A_weight", "lora_B_weight")
+
+    def __init__(self, base_layer: nn.Linear, rank: int, scaling: float) -> None:
+        super().__init__(base_layer, 1)
+        self.rank, self.scaling = rank, scaling
+        device = base_layer.weight.device
+        self.lora_A = nn.Linear(self.in_features, rank, bias=False, device=device)
+        self.lora_B = nn.Linear(rank, self.out_features, bias=False, device=device)
+        nn.init.zeros_(self.lora_B.weight)
+
+    @property
+    def lora_A_weight(self) -> nn.Parameter:
+        return cast(nn.Parameter, self.lora_A.weight)
+
+    @property
+    def lora_B_weight(self) -> nn.Parameter:
+        return cast(nn.Parameter, self.lora_B.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        delta = self.lora_B(self.lora_A(x.to(self.lora_A.weight.dtype)))
+        return self.base_layer(x) + self.scaling * delta.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank={self.rank}, scaling={self.scaling}"
+
+
+class _MapLogits(nn.Module):
+    """The MAP model as laplace-torch expects it: inputs (B, …), or a mapping of input tensors
+    (and ``labels``), → logits (B, C)."""
+
+    def __init__(self, method: LaplaceMethod) -> None:
+        super().__init__()
+        self.method = method
+
+    def forward(self, inputs: Any) -> torch.Tensor:
+        if isinstance(inputs, MutableMapping):
+            inputs = {k: v for k, v in inputs.items() if k != "labels"}
+        return self.method.logits(inputs)[0]
+
+
+class _HeadAsLinear(nn.Module):
+    """The single model as encoder features then an ``nn.Linear`` head that shares the head's
+    storage (set 0): laplace-torch's last-layer approximation needs the last layer to be a
+    linear module."""
+
+    def __init__(self, method: LaplaceMethod) -> None:
+        super().__init__()
+        self.features = _Features(method)
+        weight, bias = method.head.weight[0], method.head.bias[0]
+        self.linear = nn.Linear(weight.shape[1], weight.shape[0], device=weight.device)
+        self.linear.weight = nn.Parameter(weight, requires_grad=False)  # the same storage
+        self.linear.bias = nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, inputs: Any) -> torch.Tensor:
+        return self.linear(self.features(inputs))
+
+
+class _Features(nn.Module):
+    """The method's encoder features (B, D) of inputs, or of a mapping with ``labels``."""
+
+    def __init__(self, method: LaplaceMethod) -> None:
+        super().__init__()
+        self.method = method
+
+    def forward(self, inputs: Any) -> torch.Tensor:
+        if isinstance(inputs, MutableMapping):
+            inputs = {k: v for k, v in inputs.items() if k != "labels"}
+        return self.method.features(inputs)
+
+
+class _Batches:
+    """A loader's (inputs, labels) batches on ``device``; a batch of dict inputs becomes one
+    mapping with ``labels`` added, laplace-torch's form for inputs that are not one tensor.
+    ``dataset`` is the loader's (laplace-torch reads N from it)."""
+
+    def __init__(self, loader: Any, device: torch.device) -> None:
+        self.loader, self.device = loader, device
+        # N, the number of examples: a DataLoader's dataset, or in-memory batches' tensors
+        self.dataset = loader.dataset if hasattr(loader, "dataset") else loader.tensors[0]
+
+    def __iter__(self) -> Iterator[Any]:
+        for inputs, y in self.loader:
+            inputs, y = to_device(inputs, self.device), y.to(self.device)
+            yield {**inputs, "labels": y} if isinstance(inputs, dict) else (inputs, y)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
+class LaplaceMethod(EnsembleMethod):
+    """What both Laplace methods share: the MAP model until :meth:`fit_posthoc`, then
+    ``samples`` GLM predictive draws (S, B, C).
+
+    samples: draws of the linearised predictive at evaluation (the members). hessian: kron
+    (KFAC, default) | diag | full. prior_grid: (log10 min, log10 max, points) of the prior
+    precision's grid search on validation NLL.
+    """
+
+    subset = "all"  # laplace-torch's subset_of_weights: the weights that require grad
+
+    def __init__(self, backbone: Backbone, info: DataInfo, name: str, samples: int,
+                 hessian: Hessian, prior_grid: tuple[float, float, int] | list[float]) -> None:
+        self.samples = positive_int(samples, "method.samples", " (draws of the predictive)")
+        if hessian not in HESSIANS:
+            raise ValueError(f"method.hessian '{hessian}' is not one of {HESSIANS} (kron: "
+                             f"Kronecker-factored, as Laplace-LoRA)")
+        self.hessian = hessian
+        grid = list(prior_grid)
+        if len(grid) != 3 or not grid[0] < grid[1] or int(grid[2]) < 2:
+            raise ValueError(f"method.prior_grid must be [log10 min, log10 max, points] with "
+                             f"min < max and at least 2 points, got {prior_grid}")
+        self.prior_grid = (float(grid[0]), float(grid[1]), int(grid[2]))
+        if info.multiple_choice:
+            raise ValueError(f"method '{name}' does not take multiple-choice data yet "
+                             f"(its (B, choices, tokens) inputs); use a classification dataset")
+        super().__init__(backbone, info, members=1, name=name)
+        self.posterior: Any = None
+        self.prior_precision: float | None = None
+
+    def forward(self, inputs: Any) -> torch.Tensor:
+        """MAP logits (1, B, C) until the posterior is fitted (and while training); after it,
+        in evaluation mode, ``samples`` draws of the GLM predictive, log-probabilities
+        (S, B, C) (their softmax is the draw's probabilities)."""
+        if self.posterior is None or self.training:
+            return super().forward(inputs)
+        batch = inputs if not isinstance(inputs, dict) else dict(inputs)
+        generator = torch.Generator(device=self.head.weight.device).manual_seed(0)
+        probs = self.posterior.predictive_samples(batch, pred_type="glm",
+                                                  n_samples=self.samples, generator=generator)
+        return probs.clamp_min(torch.finfo(probs.dtype).tiny).log()
+
+    def laplace_model(self) -> tuple[nn.Module, list[nn.Parameter]]:
+        """The model laplace-torch approximates (inputs → logits (B, C)) and the weights the
+        posterior covers (subclasses)."""
+        raise NotImplementedError
+
+    def fit_posthoc(self, data: Any, device: torch.device) -> dict[str, Any]:
+        """Fit the Laplace approximation at the trained weights on the training split and
+        choose the prior precision on the validation split; returns what results.json records
+        under ``posthoc``."""
+        from laplace import Laplace
+
+        if not getattr(data, "has_val", False):
+            raise ValueError(f"method '{self.name}' chooses its prior precision on the "
+                             f"validation split; dataset '{getattr(data, 'name', '?')}' has none")
+        start = time.perf_counter()
+        model, covered = self.laplace_model()
+        trained = {id(p): p.requires_grad for p in model.parameters()}
+        model.requires_grad_(False)
+        for p in covered:
+            p.requires_grad_(True)
+        self.eval()
+        # the full and diagonal curvature products use forward-mode differentiation, which
+        # PyTorch's fused attention kernels lack: timm's attention runs its plain form then
+        fused = [m for m in self.modules() if getattr(m, "fused_attn", False)]
+        plain = fused if self.hessian != "kron" else []
+        for m in plain:
+            setattr(m, "fused_attn", False)  # noqa: B010  (an attribute timm reads, untyped)
+        try:
+            la = Laplace(model, "classification", subset_of_weights=self.subset,
+                         hessian_structure=self.hessian)
+            # the batches are a loader's in laplace-torch's form (any iterable with .dataset)
+            la.fit(cast(Any, _Batches(data.loader("train"), device)))
+            lo, hi, points = self.prior_grid
+            la.optimize_prior_precision(
+                pred_type="glm", method="gridsearch", link_approx="probit",
+                val_loader=cast(Any, _Batches(data.loader("val"), device)), log_prior_prec_min=lo,
+                log_prior_prec_max=hi, grid_size=points)
+        finally:
+            for p in model.parameters():
+                p.requires_grad_(trained[id(p)])
+            for m in plain:
+                setattr(m, "fused_attn", True)  # noqa: B010
+        self.posterior = la
+        self.prior_precision = float(la.prior_precision.flatten()[0])
+        log10 = math.log10(self.prior_precision)
+        edge = min(abs(log10 - lo), abs(log10 - hi)) < 1e-6
+        if edge:
+            log.warning("%s: the prior precision chosen on validation, %.3g, is at the edge of "
+                        "method.prior_grid=%s; widen the grid", self.name,
+                        self.prior_precision, list(self.prior_grid))
+        return {"laplace": {"weights": sum(p.numel() for p in covered),
+                            "hessian": self.hessian, "prior_precision": self.prior_precision,
+                            "prior_grid": list(self.prior_grid), "selected_by": "val/nll",
+                            "at_grid_edge": edge, "fit_s": time.perf_counter() - start}}
+
+    def settings(self) -> dict[str, Any]:
+        return super().settings() | {"samples": self.samples, "hessian": self.hessian,
+                                     "prior_grid": list(self.prior_grid)}
+
+
+class LaplaceLoRA(LaplaceMethod):
+    """MAP LoRA, then a Laplace approximation over its LoRA parameters (Laplace-LoRA).
+
+    rank: r (8). alpha: null = scaling 1; a number = alpha / rank (peft's lora_alpha).
+    targets: attention (default: q, k, v, o, the backbone's ``attention_targets``; the fused
+    q/k/v layer of a timm ViT gets one adapter), all, or a list of module-name suffixes.
+    laplace: false trains and scores the MAP LoRA model itself (the row both start from).
+    """
+
+    def __init__(self, backbone: Backbone, info: DataInfo, rank: int = 8,
+                 alpha: float | None = None, targets: Targets = "attention",
+                 laplace: bool = True, samples: int = 16, hessian: Hessian = "kron",
+                 prior_grid: tuple[float, float, int] | list[float] = (-4.0, 4.0, 17),
+                 name: str = "laplace_lora") -> None:
+        rank = positive_int(rank, "method.rank", " (8 in Laplace-LoRA)")
+        if alpha is not None and float(alpha) <= 0:
+            raise ValueError(f"method.alpha must be > 0 or null (no scaling), got {alpha}")
+        suffixes = resolve_targets(backbone, targets, name)
+        super().__init__(backbone, info, name, samples, hessian, prior_grid)
+        self.rank, self.alpha, self.laplace = rank, alpha, bool(laplace)
+        self.scaling = 1.0 if alpha is None else float(alpha) / rank
+        self.targets = suffixes
+        self.replaced = replace_linears(
+            self.encoder, suffixes, lambda n, layer: MapLoRALinear(layer, rank, self.scaling),
+            name)
+        self.train_declared()
+
+    def laplace_model(self) -> tuple[nn.Module, list[nn.Parameter]]:
+        return _MapLogits(self), [p for m in self.modules() if isinstance(m, MapLoRALinear)
+                                  for p in m.adapters()]
+
+    def fit_posthoc(self, data: Any, device: torch.device) -> dict[str, Any]:
+        return super().fit_posthoc(data, device) if self.laplace else {}
+
+    def settings(self) -> dict[str, Any]:
+        return super().settings() | {
+            "rank": self.rank, "alpha": self.alpha, "scaling": self.scaling,
+            "targets": ",".join(self.targets), "replaced_layers": len(self.replaced),
+            "laplace": self.laplace}
+
+
+class LastLayerLaplace(LaplaceMethod):
+    """A single model (fine-tuned, or the head alone over the frozen encoder: ``finetune``),
+    then a Laplace approximation over its classification head."""
+
+    subset = "last_layer"
+
+    def __init__(self, backbone: Backbone, info: DataInfo, finetune: bool = True,
+                 samples: int = 16, hessian: Hessian = "kron",
+                 prior_grid: tuple[float, float, int] | list[float] = (-4.0, 4.0, 17),
+                 name: str = "last_layer_laplace") -> None:
+        super().__init__(backbone, info, name, samples, hessian, prior_grid)
+        self.finetune = bool(finetune)
+        if self.finetune:  # registered after the head, as the single model's (same order)
+            self.encoder = self._modules.pop("encoder")  # type: ignore[assignment]  # set
+        self.train_declared()
+
+    def fine_tuned(self) -> list[nn.Module]:
+        return [self.encoder] if self.finetune else []
+
+    def laplace_model(self) -> tuple[nn.Module, list[nn.Parameter]]:
+        model = _HeadAsLinear(self)
+        return model, list(model.linear.parameters())
+
+    def settings(self) -> dict[str, Any]:
+        return super().settings() | {"finetune": self.finetune}
+
