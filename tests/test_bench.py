@@ -16,6 +16,7 @@ from torch import nn
 from uqbench.bench import parse, report
 from uqbench.bench.timing import (
     ALLOCATOR,
+    Measured,
     ensure_allocator,
     peak_bytes,
     side_by_side,
@@ -89,6 +90,59 @@ def test_records_json_and_markdown(tmp_path):
     assert "torch" in md and "Device: CPU" in md
 
 
+def test_measured_ratios_pair_the_rounds_and_keep_their_range():
+    ours, plain = Measured([2.0, 3.0, 9.0]), Measured([1.0, 1.0, 3.0])
+    ratio = ours / plain                                   # rounds 2, 3, 3
+    assert ratio.rounds == (2.0, 3.0, 3.0) and float(ratio) == 3.0
+    assert ratio.interval == (2.0, 3.0)                    # not 2/3 … 9/1 from unpaired rounds
+    third = (plain / 3).rounds
+    assert third == pytest.approx((1 / 3, 1 / 3, 1.0))
+    assert float(ours) == 3.0 and f"{ours:.3g}" == "3"     # still a number to format
+    with pytest.raises(ValueError, match="rounds"):
+        ours / Measured([1.0, 2.0])
+
+
+def test_side_by_side_times_in_rounds():
+    calls = []
+    t = side_by_side({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, CPU,
+                     repeats=10, warmup=1, rounds=5)
+    assert len(calls) == 2 * 11 and len(t["a"].rounds) == 5 and len(t["b"].rounds) == 5
+    t = side_by_side({"a": lambda: None}, CPU, repeats=3, warmup=0, rounds=5)
+    assert len(t["a"].rounds) == 3                        # never more rounds than repeats
+
+
+@pytest.mark.parametrize("ours, target, expected", [
+    ([0.8, 0.9, 0.95], 1.0, "met"),                        # the whole interval under it
+    ([0.9, 1.0, 1.0], 1.0, "met"),                         # at the target counts as under
+    ([0.9, 1.05, 1.1], 1.0, "unclear"),                    # the interval straddles it
+    ([1.01, 1.2, 1.3], 1.0, "missed"),                     # wholly above
+    ([0.8, 0.9, 1.0], [0.9, 1.2, 1.5], "unclear"),         # a target with its own interval:
+    ([0.5, 0.6, 0.7], [0.9, 1.2, 1.5], "met"),             # under its lower end
+    ([1.6, 1.7, 1.8], [0.9, 1.2, 1.5], "missed"),          # above its upper end
+    (2.0, 1.0, "missed"), (1.0, 1.0, "met"),               # counted figures: points
+    ([0.5, 0.6], None, None), (None, 1.0, None),           # no target, not measured
+])
+def test_verdicts_by_the_one_rule(ours, target, expected):
+    def fig(v):
+        return Measured(v) if isinstance(v, list) else v
+    assert report.verdict(fig(ours), fig(target)) == expected
+    row = report.Record("r", fig(ours), "×", "cpu", target=fig(target))
+    assert row.to_json()["verdict"] == expected
+
+
+def test_the_json_records_intervals_rounds_and_the_rule(tmp_path):
+    anchor = Measured([3.0, 3.3, 3.9])
+    row = report.Record("x / y", Measured([0.9, 1.0, 1.2]), "×", "cpu", anchor="z",
+                        anchor_value=anchor, target=anchor / 3, target_rule="anchor / 3")
+    report.write([row], tmp_path, CPU)
+    data = json.loads((tmp_path / "bench.json").read_text())[0]
+    assert data["ours_interval"] == [0.9, 1.2] and data["anchor_interval"] == [3.0, 3.9]
+    assert data["target_interval"] == pytest.approx([1.0, 1.3]) and data["rounds"] == 3
+    assert data["verdict"] == "unclear" and data["met"] is None
+    assert data["verdict_rule"] == report.VERDICT_RULE and data["ours"] == 1.0
+    assert "1.00× [0.90×, 1.20×]" in (tmp_path / "bench.md").read_text()
+
+
 @pytest.mark.parametrize("argv, bad", [(["--parts", "bnn,gpu"], "gpu"),
                                        (["--members", "1,4"], "'1,4'"),
                                        (["--text-members", "four"], "'four'"),
@@ -156,3 +210,17 @@ def test_the_llama_rows_run_on_a_tiny_llama():
     figures = {r.figure: r for r in rows}
     assert figures["SVE M = 2 training step / Deep Ensemble M = 2 step (batch 2)"].ours > 0
     assert all(r.ours is not None for r in rows)
+
+
+def test_one_top_k_memory_row_carries_the_target():
+    """The claim is that some k reaches LoRA-Ensemble's memory on the same layers: one row,
+    the smallest such k of the list, has the target; the others are reported without one."""
+    from uqbench.bench.ensembles import MODELS, layer_memory
+
+    rows = layer_memory(MODELS["tiny_vit"], 4, CPU, topk=[1, 2, 8])
+    layer_rows = [r for r in rows if "targeted layers" in r.figure]
+    targeted = [r for r in layer_rows if r.target is not None]
+    assert len(layer_rows) == 4 and len(targeted) == 1                 # full SVE + 3 top-k
+    reaching = [r for r in layer_rows[1:] if r.ours <= 1.0]
+    assert targeted[0] is (reaching[0] if reaching else layer_rows[-1])
+    assert targeted[0].verdict == ("met" if reaching else "missed")

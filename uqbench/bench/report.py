@@ -1,8 +1,15 @@
 """`make bench` records and their files: ``tables/bench.json`` and ``tables/bench.md``.
 
 A record is one figure: our value beside the anchor (what a user would otherwise run) measured
-in the same process, the target and whether it is met. The JSON file is a list of records, so
-the README table and any later check read the same numbers.
+in the same process, the target and the verdict. The JSON file is a list of records, so the
+README table and any later check read the same numbers.
+
+**The verdict rule.** A timed figure is measured in rounds (``timing.Measured``): its value is
+the median over the rounds and its interval their range, for ours and for the anchor alike; a
+target computed from the anchor (e.g. anchor / 3) has the anchor's interval, scaled. A targeted
+row is **met** when our whole interval is at or under the target's lower end, **missed** when
+it is wholly above the target's upper end, and **unclear** otherwise. A figure that is counted,
+not timed (memory), is a point, and its verdict is met or missed.
 """
 
 from __future__ import annotations
@@ -19,6 +26,29 @@ from typing import Any
 import torch
 
 KEYS = ("figure", "ours", "anchor", "anchor_value", "target", "unit", "device")
+VERDICT_RULE = ("met: the whole interval of ours (range over rounds) at or under the target's "
+                "lower end; missed: wholly above its upper end; unclear: otherwise")
+
+
+def interval(value: float | None) -> tuple[float, float] | None:
+    """A figure's run-to-run interval: the range over its rounds, or the point itself."""
+    if value is None:
+        return None
+    rounds = getattr(value, "rounds", None)
+    return (min(rounds), max(rounds)) if rounds else (float(value), float(value))
+
+
+def verdict(ours: float | None, target: float | None) -> str | None:
+    """met | missed | unclear by :data:`VERDICT_RULE`; None without a target or a finite
+    figure."""
+    mine, bound = interval(ours), interval(target)
+    if mine is None or bound is None or not all(math.isfinite(v) for v in (*mine, *bound)):
+        return None
+    if mine[1] <= bound[0] + 1e-12:
+        return "met"
+    if mine[0] > bound[1] + 1e-12:
+        return "missed"
+    return "unclear"
 
 
 @dataclasses.dataclass
@@ -43,13 +73,24 @@ class Record:
     note: str = ""
 
     @property
+    def verdict(self) -> str | None:
+        return verdict(self.ours, self.target)
+
+    @property
     def met(self) -> bool | None:
-        if self.target is None or self.ours is None or not math.isfinite(self.ours):
-            return None
-        return self.ours <= self.target + 1e-12
+        """True / False where the verdict is met / missed; None where unclear or untargeted."""
+        return {"met": True, "missed": False}.get(self.verdict or "")
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self) | {"met": self.met}
+        rounds = getattr(self.ours, "rounds", None)
+        plain = {k: (float(v) if isinstance(v, float) else v)
+                 for k, v in dataclasses.asdict(self).items()}
+        return plain | {"ours_interval": interval(self.ours),
+                        "anchor_interval": interval(self.anchor_value),
+                        "target_interval": interval(self.target),
+                        "rounds": len(rounds) if rounds else None, "verdict": self.verdict,
+                        "verdict_rule": VERDICT_RULE if self.target is not None else None,
+                        "met": self.met}
 
 
 def versions() -> dict[str, str]:
@@ -70,8 +111,16 @@ def device_name(device: torch.device) -> str:
 
 
 def _fmt(value: float | None, unit: str) -> str:
+    """The figure, with its run-to-run interval where it was measured in rounds."""
     if value is None:
         return "—"
+    span = interval(value)
+    if span is not None and span[0] != span[1]:
+        return f"{_one(float(value), unit)} [{_one(span[0], unit)}, {_one(span[1], unit)}]"
+    return _one(float(value), unit)
+
+
+def _one(value: float, unit: str) -> str:
     if unit == "×":
         return f"{value:.2f}×"
     if unit == "%":
@@ -89,19 +138,20 @@ def _cell(text: str) -> str:
 
 
 def _verdict(r: Record) -> str:
-    met = r.met
     if r.ours is None:
         return "not measured"
-    return "—" if met is None else ("met" if met else "**missed**")
+    return {"met": "met", "missed": "**missed**", "unclear": "unclear"}.get(r.verdict or "", "—")
 
 
 def markdown(records: list[Record], header: dict[str, Any]) -> str:
     lines = [f"# uqbench benchmark ({header['date']})", "",
              f"Device: {header['device']}. Versions: "
              + ", ".join(f"{k} {v}" for k, v in header["versions"].items()) + ".", "",
-             "Ratios are measured side by side in one process (interleaved, warm-up excluded, "
-             "medians). Each anchor is what a user would otherwise run, measured in the same "
-             "process; a missing anchor is reported as skipped.", ""]
+             "Ratios are measured side by side in one process (interleaved, warm-up excluded), "
+             "in rounds: each timed figure is the median over its rounds, with their range in "
+             "brackets. Each anchor is what a user would otherwise run, measured in the same "
+             "process; a missing anchor is reported as skipped. Verdicts: " + VERDICT_RULE
+             + ".", ""]
     sections: dict[str, list[Record]] = {}
     for r in records:
         sections.setdefault(r.section, []).append(r)

@@ -42,10 +42,61 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class Measured(float):
+    """A figure measured in rounds: its value is the median of the per-round values, which it
+    keeps (``rounds``). Arithmetic with another Measured pairs the rounds (round k with round
+    k: both were timed interleaved in it), with a number it applies to each round, so a ratio
+    of two timings carries the per-round ratios and ``interval`` is their range."""
+
+    rounds: tuple[float, ...]
+
+    def __new__(cls, rounds: Iterable[float]) -> Measured:
+        values = tuple(float(v) for v in rounds)
+        if not values:
+            raise ValueError("a measured figure needs at least one round")
+        obj = super().__new__(cls, statistics.median(values))
+        obj.rounds = values
+        return obj
+
+    @property
+    def interval(self) -> tuple[float, float]:
+        """The range over the rounds: the run-to-run spread of the figure."""
+        return min(self.rounds), max(self.rounds)
+
+    def _apply(self, other: object, op: Callable[[float, float], float]) -> Measured:
+        if isinstance(other, Measured):
+            if len(other.rounds) != len(self.rounds):
+                raise ValueError(f"figures of {len(self.rounds)} and {len(other.rounds)} rounds "
+                                 f"cannot be paired")
+            return Measured(op(a, b) for a, b in zip(self.rounds, other.rounds, strict=True))
+        if isinstance(other, int | float):
+            return Measured(op(a, float(other)) for a in self.rounds)
+        return NotImplemented
+
+    def __truediv__(self, other: object) -> Measured:  # type: ignore[override]
+        return self._apply(other, lambda a, b: a / b)
+
+    def __rtruediv__(self, other: object) -> Measured:  # type: ignore[override]
+        return self._apply(other, lambda a, b: b / a)
+
+    def __mul__(self, other: object) -> Measured:  # type: ignore[override]
+        return self._apply(other, lambda a, b: a * b)
+
+    __rmul__ = __mul__  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[type, tuple[tuple[float, ...]]]:
+        return Measured, (self.rounds,)
+
+
+ROUNDS = 5  # rounds per figure: each one median of its share of the interleaved repeats
+
+
 def side_by_side(fns: dict[str, Callable[[], object]], device: torch.device, repeats: int = 10,
-                 warmup: int = 2) -> dict[str, float]:
-    """Median seconds per call of each callable, timed interleaved (order reversed every other
-    repeat) after ``warmup`` untimed calls of each."""
+                 warmup: int = 2, rounds: int = ROUNDS) -> dict[str, Measured]:
+    """Seconds per call of each callable, timed interleaved (order reversed every other
+    repeat) after ``warmup`` untimed calls of each: a :class:`Measured` whose rounds are the
+    medians of ``rounds`` consecutive groups of the repeats (fewer when there are fewer
+    repeats), so that ratios pair what was timed together."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -58,7 +109,11 @@ def side_by_side(fns: dict[str, Callable[[], object]], device: torch.device, rep
             fns[name]()
             synchronize(device)
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    groups = max(1, min(rounds, repeats))
+    bounds = [round(i * repeats / groups) for i in range(groups + 1)]
+    return {name: Measured(statistics.median(t[a:b])
+                           for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+            for name, t in times.items()}
 
 
 class _LiveBytes(TorchDispatchMode):
