@@ -214,7 +214,7 @@ def test_fan_in_prior_and_kl_scale_set_the_kl_term():
     assert scaled.settings() | {"kl_weight": None} == {
         "variance": "embedded", "inference": "moments", "variance_link": "softplus",
         "prior": "fan_in", "kl_scale": 3.0, "kl_weight": None, "training": "moments",
-        "train_samples": 16, "check_samples": 2000}
+        "train_samples": 16, "check_samples": 2000, "covariance": "diagonal"}
 
 
 # --- diagnostics -------------------------------------------------------------------------------

@@ -177,8 +177,11 @@ def test_added_keys_take_the_value_older_runs_used():
     assert ADDED_KEYS == {"trainer.precision": "32", "method.rank": None,
                           "method.masks": "torch", "trainer.select_metric": "nll",
                           "task.conformal_alpha": 0.1, "task.conformal": ["thr", "aps"],
-                          "task.conformal_score": "normalized"}
+                          "task.conformal_score": "normalized", "method.covariance": "diagonal"}
     assert differences({"trainer": {}}, {"trainer": {"precision": "32"}}) == []
+    # a BNN run stored before method.covariance existed propagated the diagonal moments
+    assert differences({"method": {}}, {"method": {"covariance": "diagonal"}}) == []
+    assert differences({"method": {}}, {"method": {"covariance": "full"}}) != []
     assert differences({"trainer": {}}, {"trainer": {"precision": "16-mixed"}}) != []
     # a run stored before the conformal sets is today's default run without their metrics
     task = {"_target_": "uqbench.tasks.classification.ClassificationTask", "ece_bins": 15}

@@ -27,6 +27,10 @@ forms with fewer passes over memory (``forward_fused`` of :mod:`uqbench.methods.
 ``fused: false`` runs the reference layers; ``compile: true`` also runs the fused pass through
 torch.compile when no gradient is taken (inference), which pays only once its compilation
 (seconds) is spread over many large batches.
+
+``covariance: diagonal`` (default, P2's) treats a layer's units as independent; ``full`` carries
+their covariances from layer to layer as deterministic variational inference does (Wu et al.,
+ICLR 2019; :mod:`uqbench.methods.moments.covariance`), for the loss's and predictions' moments.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from uqbench.configs import options_with
 from uqbench.contracts import Batch, DataInfo, RegressionOutput
 from uqbench.methods.base import Method
 from uqbench.methods.moments.layers import (
+    FULL_RULES,
     PRIORS,
     GaussianLinear,
     MomentLeakyReLU,
@@ -57,6 +62,7 @@ from uqbench.methods.moments.links import LINKS, apply_link, expected_link
 VARIANCES = ("embedded", "learned")
 INFERENCES = ("moments", "mc")
 TRAININGS = ("moments", "sampling")
+COVARIANCES = ("diagonal", "full")
 CONVERTS = "nn.Linear (with a bias), nn.LeakyReLU, nn.ReLU"
 CHECK_CHUNK_ELEMENTS = 2**22  # diagnostics: drawn weights + activations per MC chunk (cache-sized)
 
@@ -66,16 +72,21 @@ def check_options(variance: str = "embedded", inference: str = "moments",
                   training: str = "moments", mc_samples: int = 200, train_samples: int = 16,
                   check_samples: int = 2000, prior_std: float = 1.0, kl_scale: float = 1.0,
                   kl_weight: float | None = None, fused: bool = True, compile: bool = False,
-                  **_: Any) -> None:
+                  covariance: str = "diagonal", **_: Any) -> None:
     """Refuse a setting the BNN cannot use, naming the value and the valid choices; the
     runner calls it (through :meth:`BayesianMLP.check_settings`) before anything is built."""
     for key, value, choices in (("variance", variance, VARIANCES),
                                 ("inference", inference, INFERENCES),
                                 ("variance_link", variance_link, LINKS),
                                 ("prior", prior, PRIORS),
-                                ("training", training, TRAININGS)):
+                                ("training", training, TRAININGS),
+                                ("covariance", covariance, COVARIANCES)):
         if value not in choices:
             raise ValueError(f"method.{key} '{value}' is not one of {choices}")
+    if covariance == "full" and training != "moments":
+        raise ValueError(f"method.covariance: full propagates the loss's moments analytically; "
+                         f"method.training '{training}' draws weights instead. Set "
+                         f"method.training: moments, or method.covariance: diagonal")
     if not (prior_std > 0 and math.isfinite(prior_std)):
         raise ValueError(f"method.prior_std must be a positive number, got {prior_std}")
     if mc_samples < 2:
@@ -94,6 +105,9 @@ def check_options(variance: str = "embedded", inference: str = "moments",
     if compile and not fused:
         raise ValueError("method.compile: true compiles the fused moment pass; set "
                          "method.fused: true, or method.compile: false for the reference path")
+    if compile and covariance == "full":
+        raise ValueError("method.compile: true compiles the diagonal moment pass only; with "
+                         "method.covariance: full set method.compile: false")
 
 
 def tabular_backbones() -> str:
@@ -139,13 +153,14 @@ class BayesianMLP(Method):
                  prior_std: float = 1.0, rho_init: float = -2.0, kl_weight: float | None = None,
                  min_var: float = 1e-8, variance_link: str = "softplus", prior: str = "fixed",
                  kl_scale: float = 1.0, training: str = "moments", train_samples: int = 16,
-                 check_samples: int = 2000, fused: bool = True, compile: bool = False) -> None:
+                 check_samples: int = 2000, fused: bool = True, compile: bool = False,
+                 covariance: str = "diagonal") -> None:
         super().__init__()
         check_options(variance=variance, inference=inference, variance_link=variance_link,
                       prior=prior, training=training, mc_samples=mc_samples,
                       train_samples=train_samples, check_samples=check_samples,
                       prior_std=prior_std, kl_scale=kl_scale, kl_weight=kl_weight,
-                      fused=fused, compile=compile)
+                      fused=fused, compile=compile, covariance=covariance)
         modality = getattr(backbone, "modality", None)
         if modality != "tabular":
             raise ValueError(
@@ -164,6 +179,7 @@ class BayesianMLP(Method):
         self.min_var = float(min_var)
         # speed only: the same moments to rounding (not `compile`: nn.Module's own method)
         self.fused, self.compile_inference = fused, compile
+        self.covariance = covariance
         self.out_dim = int(info.out_dim or 1)
         outputs = self.out_dim * (2 if variance == "learned" else 1)
         # The deterministic network only describes the layers: on the meta device it holds no
@@ -184,6 +200,9 @@ class BayesianMLP(Method):
                     f"{CONVERTS}. Backbones that work: {tabular_backbones()}")
             layers.append(twin)
         layers.append(GaussianLinear(backbone.feature_dim, outputs, prior_std, rho_init, prior))
+        if covariance == "full" and (bad := [type(m).__name__ for m in layers if not m.full_rule]):
+            raise ValueError(f"method.covariance: full needs a covariance rule in every layer; "
+                             f"{bad[0]} has none (those with one: {FULL_RULES})")
         self.net = MomentSequential(*layers)
 
     @classmethod
@@ -196,13 +215,16 @@ class BayesianMLP(Method):
                 "variance_link": self.variance_link, "prior": self.prior,
                 "kl_scale": self.kl_scale, "kl_weight": self.kl_weight,
                 "training": self.training_mode, "train_samples": self.train_samples,
-                "check_samples": self.check_samples}
+                "check_samples": self.check_samples, "covariance": self.covariance}
 
     # -- moments: one analytic pass ----------------------------------------------------------
     def moment_pass(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and variance (B, outputs) of the network's output for inputs x (B, in), as
         ``fused`` and ``compile`` choose to compute them (every choice gives the same moments
-        to rounding); no min_var, no link: the raw moment propagation."""
+        to rounding); no min_var, no link: the raw moment propagation. ``covariance: full``
+        carries the covariances between units through the hidden layers."""
+        if self.covariance == "full":
+            return self.net.forward_full(x, fused=self.fused)[:2]
         if not self.fused:
             return self.net(x, torch.zeros_like(x))  # deterministic input: v = 0
         if self.compile_inference and not torch.is_grad_enabled():

@@ -3,8 +3,9 @@
 Each layer maps the elementwise mean and variance of its input, (B, …), to those of its output.
 Each also has ``forward_sampled(x)``: the same network with weights *sampled*, for Monte Carlo
 inference. ``x`` has a leading sample axis (S, B, …) and every sample s uses its own weight
-draw, so S forward passes run as one batched computation; and ``forward_fused``, the moment
-pass by :mod:`.fused`.
+draw, so S forward passes run as one batched computation; ``forward_fused``, the moment
+pass by :mod:`.fused`; and ``forward_full``, the moment pass that also carries the covariance
+between the units of a layer (:mod:`.covariance`, Wu et al. 2019).
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from uqbench.methods.moments.activations import leaky_relu_moments
+from uqbench.methods.moments.covariance import leaky_relu_full_covariance
 from uqbench.methods.moments.fused import leaky_relu_moments_fused
+
+# mean (B, d); variance (B, d) or None (deterministic); covariance (B, d, d) or None (independent)
+FullMoments = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+FULL_RULES = "GaussianLinear, MomentLeakyReLU (relu, leaky_relu)"
 
 
 class MomentModule(nn.Module):
@@ -36,6 +42,18 @@ class MomentModule(nn.Module):
         """``forward`` by the fused path; var None means a deterministic input (v = 0). Layers
         without a fused form run their ``forward``."""
         return self(mean, torch.zeros_like(mean) if var is None else var)
+
+    full_rule = False  # whether forward_full propagates covariances between units
+
+    def forward_full(self, mean: torch.Tensor, var: torch.Tensor | None,
+                     cov: torch.Tensor | None, full_out: bool = True,
+                     fused: bool = True) -> FullMoments:
+        """Moments with the covariance between units: mean (B, d), var (B, d) or None (a
+        deterministic input), cov (B, d, d) or None (independent units) → the same for the
+        output; ``full_out`` false leaves the output covariance out (None), ``fused`` picks the
+        univariate rule's form. A layer without a covariance rule refuses by name."""
+        raise ValueError(f"{type(self).__name__} has no full-covariance rule; the layers with "
+                         f"one: {FULL_RULES}")
 
     def kl(self) -> torch.Tensor:
         return torch.zeros(())
@@ -140,6 +158,37 @@ class GaussianLinear(_GaussianParams):
                 out_var = torch.addmm(out_var, var, (self.weight_mu ** 2 + w_var).T)
         return out_mean, out_var
 
+    full_rule = True
+
+    def forward_full(self, mean: torch.Tensor, var: torch.Tensor | None,
+                     cov: torch.Tensor | None, full_out: bool = True,
+                     fused: bool = True) -> FullMoments:
+        """(B, in) → (B, out) with covariances (Wu et al. 2019, eq. 3). y = Wx + b, with every
+        W_ik ~ N(M_ik, V_ik) and b_i ~ N(b̄_i, v_i) independent and independent of x, whose
+        mean is m and covariance Σ; E[W_ik W_jl] = M_ik M_jl + δ_ij δ_kl V_ik gives
+            Cov(y_i, y_j) = Σ_kl M_ik M_jl Σ_kl + δ_ij [Σ_k V_ik (Σ_kk + m_k²) + v_i].
+        var None: a deterministic input, whose outputs are independent (cov None); cov None:
+        independent inputs, Σ = diag(var). ``full_out`` false: the variances only
+        (B·out·in² multiply-adds instead of B·out²·in)."""
+        w = self.weight_mu
+        out_mean = F.linear(mean, w, self.bias_mu)
+        second = mean * mean if var is None else var + mean * mean         # E[x_k²]
+        extra = F.linear(second, self.weight_var) + self.bias_var          # (B, out)
+        if var is None:
+            return out_mean, extra, None
+        if cov is None:
+            if not full_out:
+                return out_mean, F.linear(var, w * w) + extra, None
+            spread = (w * var.unsqueeze(1)) @ w.T                           # M diag(v) Mᵀ
+        else:
+            cw = cov @ w.T                                                  # Σ Mᵀ: (B, in, out)
+            if not full_out:
+                return out_mean, (cw * w.T).sum(-2) + extra, None
+            spread = w @ cw                                                 # M Σ Mᵀ
+        spread = 0.5 * (spread + spread.transpose(-1, -2))  # symmetric to rounding
+        out_var = spread.diagonal(dim1=-2, dim2=-1) + extra
+        return out_mean, out_var, spread + torch.diag_embed(extra)
+
     def forward_sampled(self, x: torch.Tensor) -> torch.Tensor:
         """(S, B, in) → (S, B, out), weights drawn once per sample s."""
         w, b = self.sample(x.shape[0])  # (S, out, in), (S, out)
@@ -163,6 +212,20 @@ class MomentLeakyReLU(MomentModule):
                       var: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         var = torch.zeros_like(mean) if var is None else var
         return leaky_relu_moments_fused(mean, var, self.slope)
+
+    full_rule = True
+
+    def forward_full(self, mean: torch.Tensor, var: torch.Tensor | None,
+                     cov: torch.Tensor | None, full_out: bool = True,
+                     fused: bool = True) -> FullMoments:
+        """Means and variances by the univariate rule (fused or reference: equal to rounding),
+        covariances by :func:`~uqbench.methods.moments.covariance.leaky_relu_full_covariance`;
+        independent inputs (cov None) give independent outputs."""
+        rule = leaky_relu_moments_fused if fused else leaky_relu_moments
+        out_mean, out_var = rule(mean, torch.zeros_like(mean) if var is None else var, self.slope)
+        if cov is None or not full_out:
+            return out_mean, out_var, None
+        return out_mean, out_var, leaky_relu_full_covariance(mean, cov, out_var, self.slope)
 
     def forward_sampled(self, x: torch.Tensor) -> torch.Tensor:
         return F.leaky_relu(x, self.slope)
@@ -210,6 +273,20 @@ class MomentSequential(MomentModule):
         for layer in self:
             mean, var = layer.forward_fused(mean, var)
         return mean, torch.zeros_like(mean) if var is None else var
+
+    def forward_full(self, mean: torch.Tensor, var: torch.Tensor | None = None,
+                     cov: torch.Tensor | None = None, full_out: bool = False,
+                     fused: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Every layer's ``forward_full``; ``full_out`` applies to the last layer only (the
+        network's output needs its variances alone), the layers before it pass their full
+        covariance on. Returns the output's mean, variance (zeros for a deterministic network)
+        and covariance (None unless ``full_out``)."""
+        layers = list(self)
+        for n, layer in enumerate(layers):
+            mean, var, cov = layer.forward_full(mean, var, cov,
+                                                full_out=full_out or n < len(layers) - 1,
+                                                fused=fused)
+        return mean, torch.zeros_like(mean) if var is None else var, cov
 
     def forward_sampled(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self:
