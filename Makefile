@@ -64,6 +64,13 @@ bench: $(STAMP)  ## Speed and memory beside the anchors (fastbnns, torch-uncerta
 	$(BIN)/pip install -q -c constraints.txt -e ".[bench]"
 	$(BIN)/uqbench-bench --out tables $(BENCH_ARGS)
 
+# GPU_CHECK_ARGS: e.g. "--out" to write tables/gpu_check.json, "--cpu" for the CPU subset
+GPU_CHECK_ARGS ?=
+
+.PHONY: gpu-check
+gpu-check: $(STAMP)  ## Run every GPU path once (precisions, FSDP, resume, SVE cache, moments, masks): PASS/FAIL per check
+	$(BIN)/python -m uqbench.bench.gpu_check $(GPU_CHECK_ARGS)
+
 data: $(STAMP)  ## Fetch datasets: make data DATASETS="cifar100 sst2" (none given: show what is in the data root)
 	@if [ -z "$(DATASETS)" ]; then $(BIN)/uqbench-data list; \
 	else HF_HUB_OFFLINE=0 HF_DATASETS_OFFLINE=0 $(BIN)/uqbench-data download $(DATASETS); fi
@@ -109,6 +116,21 @@ p1-digits-lr: p1-digits-select  ## The former name of p1-digits-select
 p1-digits: digits-pretrain  ## P1 on real digits: 6 methods x 4 backbone levels x 3 seeds; table, claims, levels
 	$(BIN)/uqbench experiment=p1_digits $(DIGITS_SWEEP)
 	$(BIN)/uqbench-tables --experiment p1_digits
+
+.PHONY: p1-digits-baselines-select p1-digits-baselines
+p1-digits-baselines-select: digits-pretrain  ## Selection sweep (validation only) of the methods P1 compares against, on digits; writes conf/recipe/p1_digits_baselines.yaml
+	@# one method per command: a sweep reads the grid of the method its command names
+	for m in batch_ensemble blob map_lora; do \
+		$(BIN)/uqbench experiment=p1_digits_baselines_select method=$$m $(DIGITS_SWEEP) || exit 1; done
+	@# the choices the grid left at its top edge, extended one step past it
+	$(BIN)/uqbench experiment=p1_digits_baselines_select method=batch_ensemble \
+		backbone=digits_vit_random,digits_vit_near trainer.optimizer.lr=3e-1 $(DIGITS_SWEEP)
+	$(BIN)/uqbench-select p1_digits_baselines_select --metric val/nll \
+		--key trainer.optimizer.lr --key trainer.decay_to --write conf/recipe/p1_digits_baselines.yaml
+
+p1-digits-baselines: digits-pretrain  ## BatchEnsemble, BLoB, MAP LoRA, Laplace-LoRA, last-layer Laplace on digits at every level; table
+	$(BIN)/uqbench experiment=p1_digits_baselines $(DIGITS_SWEEP)
+	$(BIN)/uqbench-tables --experiment p1_digits_baselines
 
 p1-digits-conventions: digits-pretrain  ## P1's code conventions on the foundation-grade digits level; table and claims
 	$(BIN)/uqbench experiment=p1_digits_conventions $(DIGITS_SWEEP)

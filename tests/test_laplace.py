@@ -173,3 +173,10 @@ def test_laplace_lora_runs_on_a_text_backbone(tmp_path):
     res = json.loads((run / "results.json").read_text())
     assert res["posthoc"]["laplace"]["weights"] > 0 and np.isfinite(res["metrics"]["test/nll"])
     assert np.load(run / "predictions/test.npz")["member_probs"].shape[0] == 16
+
+
+def test_half_precision_weights_are_refused_before_anything_is_built(tmp_path):
+    proc = run_cli("backbone=tiny_vit", "dataset=fake_images", "method=laplace_lora",
+                   "trainer.precision=bf16-true", f"paths.runs_dir={tmp_path}", check=False)
+    assert proc.returncode != 0 and "bf16-true" in proc.stderr and "32 or bf16-mixed" in proc.stderr
+    assert not any(tmp_path.rglob("results.json"))

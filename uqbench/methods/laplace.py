@@ -168,6 +168,16 @@ class LaplaceMethod(EnsembleMethod):
         self.posterior: Any = None
         self.prior_precision: float | None = None
 
+    @classmethod
+    def check_trainer(cls, trainer: dict[str, Any], method: dict[str, Any]) -> None:
+        """The posterior's curvature and its eigendecomposition need float32 weights: training
+        in half-precision weights (``*-true``) is refused before anything is built, unless no
+        posterior is fitted (``laplace: false``, MAP LoRA)."""
+        precision = str(trainer.get("precision", "32"))
+        if precision.endswith("-true") and method.get("laplace", True):
+            raise ValueError(f"trainer.precision={precision}: the Laplace methods fit their "
+                             f"posterior on float32 weights; use 32 or bf16-mixed")
+
     def forward(self, inputs: Any) -> torch.Tensor:
         """MAP logits (1, B, C) until the posterior is fitted (and while training); after it,
         in evaluation mode, ``samples`` draws of the GLM predictive, log-probabilities

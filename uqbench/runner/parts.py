@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from uqbench.configs import build, check_types, check_value, options_where
 from uqbench.contracts import to_device
@@ -31,6 +31,7 @@ def check_config(cfg: DictConfig) -> None:
     for group in ("backbone", "method", "dataset", "task", "trainer", "logger"):
         if isinstance(cfg.get(group), DictConfig):
             check_types(cfg[group], group)
+    _check_method_trainer(cfg)
     check_value("seed", cfg.seed, int)
     check_value("torch_threads", cfg.get("torch_threads"), int | None)
     if cfg.get("torch_threads") is not None and cfg.torch_threads < 1:
@@ -43,6 +44,22 @@ def check_config(cfg: DictConfig) -> None:
         objective.check(cfg)  # the metric a sweeper reads, before any data or model
     if isinstance(cfg.get("logger"), DictConfig):
         build(cfg.logger)  # a tracker's settings are checked as it is built (cheap, offline)
+
+
+def _check_method_trainer(cfg: DictConfig) -> None:
+    """A method class may refuse a trainer setting it cannot serve (a classmethod
+    ``check_trainer(trainer: dict, method: dict)``, e.g. the Laplace methods and
+    half-precision weights)."""
+    from hydra.utils import get_object
+
+    method, trainer = cfg.get("method"), cfg.get("trainer")
+    if not (isinstance(method, DictConfig) and isinstance(trainer, DictConfig)
+            and method.get("_target_")):
+        return
+    checker = getattr(get_object(str(method._target_)), "check_trainer", None)
+    if callable(checker):
+        checker(OmegaConf.to_container(trainer, resolve=True),
+                OmegaConf.to_container(method, resolve=True))
 
 
 def check_eval_splits(value: Any) -> None:
