@@ -56,3 +56,24 @@ def quick_trainer(epochs: int, lr: float = 1e-2, optimizer: str = "torch.optim.A
         "warmup_epochs": 0, "schedule": "constant", "select": "last", "val_every": val_every,
         "progress": False, **settings,
         "optimizer": {"_target_": optimizer, "_partial_": True, "lr": lr}}))
+
+
+def tiny_text_batch() -> dict:
+    """Five sentences through the bundled BERT tokenizer (max length 12): a tiny text batch."""
+    from transformers import AutoTokenizer
+
+    from uqbench.backbones.hf import bundled_tokenizer_path
+
+    tok = AutoTokenizer.from_pretrained(bundled_tokenizer_path())
+    texts = ["a good movie", "the plot was very boring indeed", "x", "great", "bad film"]
+    return dict(tok(texts, padding="max_length", max_length=12, truncation=True,
+                    return_tensors="pt"))
+
+
+def inputs_for(backbone: str, text_batch: dict, batch: int = 5):
+    """A tiny batch for a tiny backbone: 16 × 16 images for tiny_vit, else the text batch."""
+    import torch
+
+    if backbone == "tiny_vit":
+        return torch.randn(batch, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+    return {k: v[:batch] for k, v in text_batch.items()}

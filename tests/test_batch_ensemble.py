@@ -17,7 +17,7 @@ from torch import nn
 from torch_uncertainty.layers import BatchLinear
 
 from tests.helpers import build_method as build
-from uqbench.backbones.hf import bundled_tokenizer_path
+from tests.helpers import inputs_for, tiny_text_batch
 from uqbench.contracts import DataInfo
 from uqbench.methods.batch_ensemble import (
     BatchEnsemble,
@@ -32,18 +32,7 @@ INITS = ("random_sign", "normal")
 
 @pytest.fixture(scope="module")
 def text_batch():
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(bundled_tokenizer_path())
-    texts = ["a good movie", "the plot was very boring indeed", "x", "great", "bad film"]
-    return dict(tok(texts, padding="max_length", max_length=12, truncation=True,
-                    return_tensors="pt"))
-
-
-def inputs_for(backbone: str, text_batch, batch: int = 5):
-    if backbone == "tiny_vit":
-        return torch.randn(batch, 3, 16, 16, generator=torch.Generator().manual_seed(3))
-    return {k: v[:batch] for k, v in text_batch.items()}
+    return tiny_text_batch()
 
 
 def torch_uncertainty_copy(layer: BatchEnsembleLinear, W: torch.Tensor, r: torch.Tensor,

@@ -12,6 +12,7 @@ from hydra.utils import instantiate
 from torch import nn
 
 from tests.helpers import build_method as build
+from tests.helpers import inputs_for, tiny_text_batch
 from uqbench.backbones.hf import bundled_tokenizer_path, last_token_index
 from uqbench.contracts import DataInfo
 from uqbench.methods.layers import repeat_members, replace_linears
@@ -36,18 +37,7 @@ INFO = DataInfo(task="classification", num_classes=3)
 
 @pytest.fixture(scope="module")
 def text_batch():
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(bundled_tokenizer_path())
-    texts = ["a good movie", "the plot was very boring indeed", "x", "great", "bad film"]
-    return dict(tok(texts, padding="max_length", max_length=12, truncation=True,
-                    return_tensors="pt"))
-
-
-def inputs_for(backbone: str, text_batch, batch: int = 5):
-    if backbone == "tiny_vit":
-        return torch.randn(batch, 3, 16, 16, generator=torch.Generator().manual_seed(3))
-    return {k: v[:batch] for k, v in text_batch.items()}
+    return tiny_text_batch()
 
 
 # --- initialisation ---------------------------------------------------------------------------

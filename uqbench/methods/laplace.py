@@ -75,18 +75,22 @@ class MapLoRALinear(MemberLinear):
         return f"{super().extra_repr()}, rank={self.rank}, scaling={self.scaling}"
 
 
-class _MapLogits(nn.Module):
-    """The MAP model as laplace-torch expects it: inputs (B, …), or a mapping of input tensors
-    (and ``labels``), → logits (B, C)."""
+class _Part(nn.Module):
+    """One part of the method as laplace-torch calls a model: inputs (B, …), or a mapping of
+    input tensors (and ``labels``), → the MAP logits (B, C) (``part="logits"``) or the encoder
+    features (B, D) (``part="features"``)."""
 
-    def __init__(self, method: LaplaceMethod) -> None:
+    def __init__(self, method: LaplaceMethod, part: str) -> None:
         super().__init__()
-        self.method = method
+        self.method, self.part = method, part
 
     def forward(self, inputs: Any) -> torch.Tensor:
         if isinstance(inputs, MutableMapping):
             inputs = {k: v for k, v in inputs.items() if k != "labels"}
-        return self.method.logits(inputs)[0]
+        if self.part == "logits":
+            out: torch.Tensor = self.method.logits(inputs)[0]
+            return out
+        return self.method.features(inputs)
 
 
 class _HeadAsLinear(nn.Module):
@@ -96,7 +100,7 @@ class _HeadAsLinear(nn.Module):
 
     def __init__(self, method: LaplaceMethod) -> None:
         super().__init__()
-        self.features = _Features(method)
+        self.features = _Part(method, "features")
         weight, bias = method.head.weight[0], method.head.bias[0]
         self.linear = nn.Linear(weight.shape[1], weight.shape[0], device=weight.device)
         self.linear.weight = nn.Parameter(weight, requires_grad=False)  # the same storage
@@ -104,19 +108,6 @@ class _HeadAsLinear(nn.Module):
 
     def forward(self, inputs: Any) -> torch.Tensor:
         return self.linear(self.features(inputs))
-
-
-class _Features(nn.Module):
-    """The method's encoder features (B, D) of inputs, or of a mapping with ``labels``."""
-
-    def __init__(self, method: LaplaceMethod) -> None:
-        super().__init__()
-        self.method = method
-
-    def forward(self, inputs: Any) -> torch.Tensor:
-        if isinstance(inputs, MutableMapping):
-            inputs = {k: v for k, v in inputs.items() if k != "labels"}
-        return self.method.features(inputs)
 
 
 class _Batches:
@@ -278,7 +269,7 @@ class LaplaceLoRA(LaplaceMethod):
         self.train_declared()
 
     def laplace_model(self) -> tuple[nn.Module, list[nn.Parameter]]:
-        return _MapLogits(self), [p for m in self.modules() if isinstance(m, MapLoRALinear)
+        return _Part(self, "logits"), [p for m in self.modules() if isinstance(m, MapLoRALinear)
                                   for p in m.adapters()]
 
     def fit_posthoc(self, data: Any, device: torch.device) -> dict[str, Any]:
