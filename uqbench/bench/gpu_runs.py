@@ -178,12 +178,12 @@ def layouts(ctx: Context) -> list[Outcome]:
 def max_relative(a: dict[str, float], b: dict[str, float]) -> float:
     """The largest relative difference over the metrics both hold (inf if a key is missing
     on one side or a value is not finite on one side only). Conformal sets' coverage and
-    size (``…/cp_…``) are left out: they are thresholds that last-bit differences can cross."""
+    size (``…/cp…``) are left out: they are thresholds that last-bit differences can cross."""
     if set(a) != set(b):
         return math.inf
     worst = 0.0
     for key, x in a.items():
-        if "/cp_" in key:
+        if "/cp" in key:
             continue
         y = b[key]
         if x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x)
