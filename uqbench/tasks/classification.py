@@ -124,10 +124,8 @@ class ClassificationTask(Task):
             probs = M.aggregate(member_probs, self.aggregation)
             for method in self.conformal:
                 if f"conformal_{method}" in calibration:
-                    sets = CP.prediction_sets(probs, calibration[f"conformal_{method}"], method)
-                    covered = sets.gather(1, y.view(-1, 1)).double()
-                    out[f"{split}/cp_{method}/coverage"] = covered.mean().item()
-                    out[f"{split}/cp_{method}/set_size"] = sets.sum(1).double().mean().item()
+                    values = CP.set_metrics(probs, y, calibration[f"conformal_{method}"], method)
+                    out |= {f"{split}/cp_{method}/{k}": v for k, v in values.items()}
         return out
 
     def ood_metrics(self, split: str, id_preds: Predictions, ood_preds: Predictions,

@@ -58,7 +58,9 @@ __all__ = [
     "class_scores",
     "classification_conformal",
     "conformal_quantile",
+    "interval_metrics",
     "prediction_sets",
+    "set_metrics",
     "regression_conformal",
     "regression_intervals",
     "regression_scores",
@@ -205,14 +207,26 @@ def classification_conformal(
     _check_choice(method, CLASSIFICATION_METHODS, "method")
     val_scores = class_scores(val_probs, val_y, method, lam=lam, k_reg=k_reg)
     qhat = conformal_quantile(val_scores, alpha)
-    test_all = all_class_scores(test_probs, method, lam=lam, k_reg=k_reg)
-    labels = _labels(test_y, test_all.shape[0], test_all.shape[1])
-    sets = test_all <= qhat
+    return set_metrics(test_probs, test_y, qhat, method, lam=lam, k_reg=k_reg) | {"qhat": qhat}
+
+
+def set_metrics(
+    probs: Tensor,
+    y: Tensor,
+    qhat: float,
+    method: str = "thr",
+    *,
+    lam: float = RAPS_LAMBDA,
+    k_reg: int = RAPS_K_REG,
+) -> dict[str, float]:
+    """"coverage" (share of labels inside their set) and "set_size" (mean number of classes
+    per set) of the prediction sets at ``qhat``, as plain floats."""
+    sets = prediction_sets(probs, qhat, method, lam=lam, k_reg=k_reg)
+    labels = _labels(y, sets.shape[0], sets.shape[1])
     covered = torch.gather(sets, 1, labels[:, None])[:, 0]
     return {
         "coverage": float(covered.to(torch.float64).mean()),
         "set_size": float(sets.sum(dim=1).to(torch.float64).mean()),
-        "qhat": qhat,
     }
 
 
@@ -270,10 +284,18 @@ def regression_conformal(
     _check_alpha(alpha)
     _check_choice(score, REGRESSION_SCORES, "score")
     qhat = conformal_quantile(regression_scores(val_y, val_mean, val_var, score), alpha)
-    test_scores = regression_scores(test_y, test_mean, test_var, score)
-    lower, upper = regression_intervals(test_mean, test_var, qhat, score)
+    return interval_metrics(test_y, test_mean, test_var, qhat, score) | {"qhat": qhat}
+
+
+def interval_metrics(
+    y: Tensor, mean: Tensor, var: Tensor, qhat: float, score: str = "normalized"
+) -> dict[str, float]:
+    """"coverage" (share of targets inside their interval; a target counts as covered when its
+    score is at most qhat, the closed interval up to rounding) and "width" (mean interval
+    width) of the intervals at ``qhat``, as plain floats."""
+    scores = regression_scores(y, mean, var, score)
+    lower, upper = regression_intervals(mean, var, qhat, score)
     return {
-        "coverage": float((test_scores <= qhat).to(torch.float64).mean()),
+        "coverage": float((scores <= qhat).to(torch.float64).mean()),
         "width": float((upper - lower).mean()),
-        "qhat": qhat,
     }

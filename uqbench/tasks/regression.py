@@ -74,11 +74,8 @@ class RegressionTask(Task):
         qhat = (calibration or {}).get(f"conformal_{self.conformal_score}")
         if qhat is not None and split != "val":  # fitted on val: scored on the other splits
             f = self._flat(preds)
-            scores = CP.regression_scores(f["y"], f["mean"], f["var"], self.conformal_score)
-            lower, upper = CP.regression_intervals(f["mean"], f["var"], qhat,
-                                                   self.conformal_score)
-            values |= {"cp/coverage": (scores <= qhat).double().mean().item(),
-                       "cp/width": (upper - lower).mean().item()}
+            values |= {f"cp/{k}": v for k, v in CP.interval_metrics(
+                f["y"], f["mean"], f["var"], qhat, self.conformal_score).items()}
         return {f"{split}/{k}": v for k, v in values.items()}
 
     def ood_metrics(self, split: str, id_preds: Predictions, ood_preds: Predictions,
