@@ -264,29 +264,31 @@ def layer_memory(model: Model, members: int, device: torch.device, topk: list[in
     m = f"method.members={members}"
     lora_all = wrapped_bytes(build(model, "lora_ensemble_all", device, m))
     lora = build(model, "lora_ensemble", device, m).param_counts()["memory_bytes"]
-    rows = []
-    # the claim is that SOME k reaches LoRA-Ensemble's memory: the target sits on the smallest
-    # k of the list that does (the largest k of the list, where none does: then it is missed)
-    sizes = {k: wrapped_bytes(build(model, "sve", device, m, f"{TOPK_KEY}={k}")) for k in topk}
-    claimed = min((k for k in topk if sizes[k] <= lora_all), default=max(topk, default=None))
+    rows, layer_rows, reaches = [], {}, {}
     for k in [None, *topk]:
         name = "SVE" if k is None else f"SVE top-{k}"
         sve = build(model, "sve", device, m, *(() if k is None else (f"{TOPK_KEY}={k}",)))
         layers, whole = wrapped_bytes(sve), sve.param_counts()["memory_bytes"]
         where = f"({model.label}, M = {members})"
+        reaches[k] = layers <= lora_all
+        layer_rows[k] = Record(
+            f"{name} memory of the targeted layers / LoRA-Ensemble's on the same layers {where}",
+            layers / lora_all, "×", dev, section=SECTION_LAYERS,
+            note=f"{name} {layers / 1e9:.4g} GB, LoRA-Ensemble r = 8 {lora_all / 1e9:.4g} GB"
+                 f"{dtype_note}")
         rows += [
-            Record(f"{name} memory of the targeted layers / LoRA-Ensemble's on the same layers "
-                   f"{where}", layers / lora_all, "×", dev,
-                   target=1.0 if k is not None and k == claimed else None,
-                   target_rule="the smallest k of the list that reaches it" if k is not None
-                   and k == claimed else None, section=SECTION_LAYERS,
-                   note=f"{name} {layers / 1e9:.4g} GB, LoRA-Ensemble r = 8 "
-                        f"{lora_all / 1e9:.4g} GB{dtype_note}"),
+            layer_rows[k],
             Record(f"{name} model memory / LoRA-Ensemble's (attention adapters) {where}",
                    whole / lora, "×", dev, anchor="P1: ~10× less memory overhead than "
                    "LoRA-Ensemble", section=SECTION_LAYERS,
                    note=f"{name} {whole / 1e9:.4g} GB, LoRA-Ensemble r = 8 {lora / 1e9:.4g} GB"
                         f"{dtype_note}")]
+    # the claim is that SOME k reaches LoRA-Ensemble's memory: the target sits on the smallest
+    # k of the list that does (the largest k of the list, where none does: then it is missed)
+    claimed = min((k for k in topk if reaches[k]), default=max(topk, default=None))
+    if claimed is not None:
+        layer_rows[claimed].target = 1.0
+        layer_rows[claimed].target_rule = "the smallest k of the list that reaches it"
     return rows
 
 
