@@ -12,14 +12,19 @@ maintained laplace-torch library (Daxberger et al., 2021, "Laplace Redux"):
   probe), then a Laplace approximation over the classification head only.
 
 The prior precision is chosen on the validation split by grid search over the NLL of the
-probit-approximated linearised predictive (laplace-torch's ``gridsearch``), as the papers tune
-it on held-out data. At evaluation the method returns ``samples`` draws of the linearised (GLM)
+probit-approximated linearised predictive (the objective of laplace-torch's ``gridsearch``), as
+the papers tune it on held-out data. At evaluation the method returns ``samples`` draws of the linearised (GLM)
 predictive, the logits f ~ N(f_MAP, J P⁻¹ Jᵀ), as members (S, B, C): the task averages their
 softmax like an ensemble's. Before the posterior is fitted (training, and the validation
 passes that choose the epoch) the method is the MAP model, logits (1, B, C).
 
 The runner calls :meth:`LaplaceMethod.fit_posthoc` after training and after loading a
 checkpoint (``job=eval``); the fit reads the training split once, so it is deterministic.
+
+Longer than most modules: laplace-torch computes the Jacobians of the predictive for a whole
+batch at once, at a cost that grows with the batch size squared; the Jacobians here are taken
+one example at a time (:func:`per_example_jacobians`) and, in the prior's grid search, once for
+every point of the grid, with laplace-torch's own curvature, variances and draws on top.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterable, Iterator, MutableMapping
+from contextlib import contextmanager, nullcontext
 from typing import Any, Literal, cast, get_args
 
 import torch
@@ -73,6 +79,60 @@ class MapLoRALinear(MemberLinear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}, scaling={self.scaling}"
+
+
+@contextmanager
+def plain_attention(module: nn.Module) -> Iterator[None]:
+    """timm's attention layers run their plain form (softmax(q kᵀ/√d) v) instead of PyTorch's
+    fused kernel inside the block: the fused kernel has no forward-mode derivative, and under
+    ``vmap`` it runs example by example (no batching rule), where the plain form is batched."""
+    fused = [m for m in module.modules() if getattr(m, "fused_attn", False)]
+    for m in fused:
+        setattr(m, "fused_attn", False)  # noqa: B010  (an attribute timm reads, untyped)
+    try:
+        yield
+    finally:
+        for m in fused:
+            setattr(m, "fused_attn", True)  # noqa: B010
+
+
+def per_example_jacobians(model: nn.Module, names: list[str],
+                          inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """J (B, C, P) of ``model``'s logits (B, C) with respect to its parameters ``names``
+    (flattened and concatenated in that order, laplace-torch's layout), and the logits.
+
+    Each example's Jacobian is taken alone (``vmap`` over the batch of a one-example
+    ``jacrev``): B·C backward passes of one example, where the Jacobian of the whole batch's
+    logits costs B·C passes of the whole batch. Models whose forward cannot be vmapped
+    (data-dependent control flow, as some Hugging Face models' mask checks) are taken one
+    example at a time instead. Inputs: a tensor, or a mapping of tensors (batched on dim 0)."""
+    from torch.func import functional_call, jacrev, vmap
+
+    params = dict(model.named_parameters())
+    covered = {n: params[n].detach() for n in names}
+    rest = ({n: p.detach() for n, p in params.items() if n not in covered}
+            | dict(model.named_buffers()))
+
+    def one(weights: dict[str, torch.Tensor], example: Any) -> tuple[torch.Tensor, ...]:
+        batch1 = ({k: v.unsqueeze(0) for k, v in example.items()}
+                  if isinstance(example, MutableMapping) else example.unsqueeze(0))
+        out = functional_call(model, (weights, rest), (batch1,))[0]
+        return out, out
+
+    jac = jacrev(one, has_aux=True)
+    inputs = ({k: v for k, v in inputs.items() if torch.is_tensor(v)}
+              if isinstance(inputs, MutableMapping) else inputs)
+    try:
+        js, f = vmap(jac, in_dims=(None, 0))(covered, inputs)
+    except RuntimeError as error:  # vmap's refusal of data-dependent control flow
+        log.debug("per_example_jacobians: vmap failed (%s); one example at a time", error)
+        size = len(next(iter(inputs.values())) if isinstance(inputs, MutableMapping) else inputs)
+        parts = [jac(covered, {k: v[i] for k, v in inputs.items()}
+                     if isinstance(inputs, MutableMapping) else inputs[i]) for i in range(size)]
+        js = {n: torch.stack([p[0][n] for p in parts]) for n in names}
+        f = torch.stack([p[1] for p in parts])
+    flat = torch.cat([js[n].flatten(start_dim=2) for n in names], dim=-1)
+    return flat.detach(), f.detach()
 
 
 class _Part(nn.Module):
@@ -177,9 +237,27 @@ class LaplaceMethod(EnsembleMethod):
             return super().forward(inputs)
         batch = inputs if not isinstance(inputs, dict) else dict(inputs)
         generator = torch.Generator(device=self.head.weight.device).manual_seed(0)
-        probs = self.posterior.predictive_samples(batch, pred_type="glm",
-                                                  n_samples=self.samples, generator=generator)
-        return probs.clamp_min(torch.finfo(probs.dtype).tiny).log()
+        from laplace.utils import normal_samples
+
+        f_mu, f_var = self._glm_moments(batch)
+        # laplace-torch's GLM predictive draws (its predictive_samples, on these moments)
+        f = normal_samples(f_mu, f_var, self.samples, generator)
+        return torch.log_softmax(f, dim=-1)
+
+    def _glm_moments(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The linearised predictive's moments f_MAP (B, C) and J P⁻¹ Jᵀ (B, C, C), as
+        laplace-torch's GLM predictive computes them, with the Jacobians of the adapters taken
+        one example at a time (:func:`per_example_jacobians`) instead of laplace-torch's
+        Jacobian of the whole batch's logits, whose cost grows with the batch size squared."""
+        js, f_mu = self._jacobians(batch)
+        return f_mu.detach(), self.posterior.functional_variance(js).detach()
+
+    def _jacobians(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """J (B, C, P) of the logits with respect to the covered weights, and the logits."""
+        if self.subset == "last_layer":  # laplace-torch's closed form: features ⊗ I
+            return self.posterior.backend.last_layer_jacobians(batch)
+        with plain_attention(self):
+            return per_example_jacobians(self.posterior.model, self._covered, batch)
 
     def laplace_model(self) -> tuple[nn.Module, list[nn.Parameter]]:
         """The model laplace-torch approximates (inputs → logits (B, C)) and the weights the
@@ -204,26 +282,22 @@ class LaplaceMethod(EnsembleMethod):
         self.eval()
         # the full and diagonal curvature products use forward-mode differentiation, which
         # PyTorch's fused attention kernels lack: timm's attention runs its plain form then
-        fused = [m for m in self.modules() if getattr(m, "fused_attn", False)]
-        plain = fused if self.hessian != "kron" else []
-        for m in plain:
-            setattr(m, "fused_attn", False)  # noqa: B010  (an attribute timm reads, untyped)
-        try:
-            la = Laplace(model, "classification", subset_of_weights=self.subset,
-                         hessian_structure=self.hessian)
-            # the batches are a loader's in laplace-torch's form (any iterable with .dataset)
-            la.fit(cast(Any, _Batches(data.loader("train"), device)))
-            lo, hi, points = self.prior_grid
-            la.optimize_prior_precision(
-                pred_type="glm", method="gridsearch", link_approx="probit",
-                val_loader=cast(Any, _Batches(data.loader("val"), device)), log_prior_prec_min=lo,
-                log_prior_prec_max=hi, grid_size=points)
-        finally:
-            for p in model.parameters():
-                p.requires_grad_(trained[id(p)])
-            for m in plain:
-                setattr(m, "fused_attn", True)  # noqa: B010
-        self.posterior = la
+        with plain_attention(self) if self.hessian != "kron" else nullcontext():
+            try:
+                la = Laplace(model, "classification", subset_of_weights=self.subset,
+                             hessian_structure=self.hessian)
+                # the batches are a loader's, in laplace-torch's form (any iterable with
+                # .dataset)
+                la.fit(cast(Any, _Batches(data.loader("train"), device)))
+                self.posterior = la
+                self._covered = [n for n, p in model.named_parameters() if p.requires_grad]
+                lo, hi, points = self.prior_grid
+                grid = torch.logspace(lo, hi, points)
+                grid_nll = self.grid_nll(_Batches(data.loader("val"), device), grid)
+                la.prior_precision = grid[int(torch.argmin(grid_nll))]  # the first of least NLL
+            finally:
+                for p in model.parameters():
+                    p.requires_grad_(trained[id(p)])
         self.prior_precision = float(la.prior_precision.flatten()[0])
         log10 = math.log10(self.prior_precision)
         edge = min(abs(log10 - lo), abs(log10 - hi)) < 1e-6
@@ -234,7 +308,27 @@ class LaplaceMethod(EnsembleMethod):
         return {"laplace": {"weights": sum(p.numel() for p in covered),
                             "hessian": self.hessian, "prior_precision": self.prior_precision,
                             "prior_grid": list(self.prior_grid), "selected_by": "val/nll",
+                            "grid_val_nll": [float(v) for v in grid_nll],
                             "at_grid_edge": edge, "fit_s": time.perf_counter() - start}}
+
+    def grid_nll(self, batches: Iterable[Any], grid: torch.Tensor) -> torch.Tensor:
+        """The mean NLL over ``batches`` of the probit-approximated GLM predictive,
+        softmax(κ f_MAP) with κ = (1 + π/8 diag(J P⁻¹ Jᵀ))^(-1/2), at each prior precision of
+        ``grid`` (what laplace-torch's ``gridsearch`` minimises), with each batch's Jacobians
+        computed once for the whole grid instead of once per point."""
+        la = self.posterior
+        nll = torch.zeros(len(grid), dtype=torch.float64)
+        n = 0
+        for batch in batches:
+            x, y = (batch, batch["labels"]) if isinstance(batch, MutableMapping) else batch
+            js, f_mu = self._jacobians(x)  # once (f_var below is the cheap part)
+            for i, prior in enumerate(grid):
+                la.prior_precision = prior
+                f_var = la.functional_variance(js).diagonal(dim1=1, dim2=2)
+                probs = torch.softmax(f_mu / torch.sqrt(1.0 + math.pi / 8 * f_var), dim=-1)
+                nll[i] += torch.nn.functional.nll_loss(probs.log(), y, reduction="sum").item()
+            n += len(y)
+        return nll / n
 
     def settings(self) -> dict[str, Any]:
         return super().settings() | {"samples": self.samples, "hessian": self.hessian,
