@@ -27,6 +27,7 @@ setup: $(STAMP)  ## Create .venv and install uqbench with pinned dependencies
 
 demo: $(STAMP)  ## P2 width sweep (embedded vs learned variance) and P1 parameter overhead, with tables
 	$(BIN)/uqbench experiment=p1_overhead skip_existing=true
+	$(BIN)/uqbench experiment=p1_overhead_lora skip_existing=true
 	$(BIN)/uqbench experiment=p2_width_sweep skip_existing=true trainer.progress=false \
 		hydra/launcher=local
 	$(BIN)/uqbench-tables --experiment p1_overhead

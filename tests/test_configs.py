@@ -62,8 +62,11 @@ def test_every_group_option_composes_and_builds(compose_cfg, group, option):
 def test_every_experiment_composes_and_builds(compose_cfg, experiment):
     cfg = compose_cfg([f"experiment={experiment}"])
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    assert resolved["experiment_name"] == experiment
-    assert experiment in resolved["run_dir"]
+    name = resolved["experiment_name"]
+    # its own folder, or (experiment <name>_<part>) the folder and table of experiment <name>
+    assert name == experiment or (experiment.startswith(f"{name}_") and name in
+                                  group_options("experiment")), (experiment, name)
+    assert f"/{name}/" in resolved["run_dir"]
     for group in ("backbone", "method", "trainer", "task", "logger"):
         _check_built(group, cfg[group])
     if "_target_" in cfg.dataset:
