@@ -347,7 +347,7 @@ class LaplaceLoRA(LaplaceMethod):
     def __init__(self, backbone: Backbone, info: DataInfo, rank: int = 8,
                  alpha: float | None = None, targets: Targets = "attention",
                  laplace: bool = True, samples: int = 16, hessian: Hessian = "kron",
-                 prior_grid: tuple[float, float, int] | list[float] = (-4.0, 4.0, 17),
+                 prior_grid: tuple[float, float, int] | list[float] = (-4.0, 8.0, 25),
                  name: str = "laplace_lora") -> None:
         rank = positive_int(rank, "method.rank", " (8 in Laplace-LoRA)")
         if alpha is not None and float(alpha) <= 0:
@@ -384,7 +384,7 @@ class LastLayerLaplace(LaplaceMethod):
 
     def __init__(self, backbone: Backbone, info: DataInfo, finetune: bool = True,
                  samples: int = 16, hessian: Hessian = "kron",
-                 prior_grid: tuple[float, float, int] | list[float] = (-4.0, 4.0, 17),
+                 prior_grid: tuple[float, float, int] | list[float] = (-4.0, 8.0, 25),
                  name: str = "last_layer_laplace") -> None:
         super().__init__(backbone, info, name, samples, hessian, prior_grid)
         self.finetune = bool(finetune)
