@@ -174,6 +174,37 @@ def test_prior_search_and_predictive_are_laplace_torchs_own(cfg, method):
     assert ours.std(0).mean() > 1e-4                             # draws that differ
 
 
+@pytest.mark.parametrize("method", ["laplace_lora", "last_layer_laplace"])
+def test_absent_answer_choices_get_no_probability_on_the_llama_arc_path(cfg, tmp_path, method):
+    """ARC-Easy as a causal-LM prompt (answer letters' rows as the head): the posterior's draws
+    give absent choices probability exactly 0, and the present ones draws that differ."""
+    from hydra.utils import instantiate
+
+    from tests.fixtures.datasets import write_arc_easy
+    from uqbench.data.arc import ARCEasyData
+
+    write_arc_easy(tmp_path)
+    c = cfg("backbone=tiny_llama", f"method={method}", "method.prior_grid=[-2,2,3]")
+    torch.manual_seed(0)
+    backbone = instantiate(c.backbone)
+    data = ARCEasyData(root=tmp_path, format="causal_lm", batch_size=8)
+    data.setup(backbone)
+    m = instantiate(c.method)(backbone=backbone, info=data.info)
+    with torch.no_grad():
+        for layer in (x for x in m.modules() if isinstance(x, MapLoRALinear)):
+            layer.lora_B.weight.normal_(0, 0.5)
+    m.fit_posthoc(data, torch.device("cpu"))
+    m.eval()
+    inputs, _ = next(iter(data.loader("train")))
+    mask = inputs["choice_mask"]
+    assert (~mask).any()                                   # the fixture has 3- to 5-choice rows
+    with torch.no_grad():
+        probs = m(inputs).exp()                                                  # (S, B, 5)
+    assert torch.all(probs[:, ~mask] == 0) and torch.isfinite(probs).all()
+    torch.testing.assert_close(probs.sum(-1), torch.ones(probs.shape[:2]))
+    assert probs[:, mask].std(0).mean() > 1e-5
+
+
 @pytest.mark.parametrize("override,message", [
     ("method.hessian=bogus", "bogus"), ("method.samples=0", "samples"),
     ("method.prior_grid=[1,0,3]", "prior_grid")])

@@ -43,6 +43,7 @@ from uqbench.backbones.base import Backbone
 from uqbench.contracts import DataInfo, to_device
 from uqbench.methods.ensemble import EnsembleMethod, positive_int
 from uqbench.methods.layers import MemberLinear, Targets, replace_linears, resolve_targets
+from uqbench.methods.multiple_choice import mask_absent
 
 log = logging.getLogger("uqbench")
 
@@ -147,10 +148,15 @@ class _Part(nn.Module):
     def forward(self, inputs: Any) -> torch.Tensor:
         if isinstance(inputs, MutableMapping):
             inputs = {k: v for k, v in inputs.items() if k != "labels"}
-        if self.part == "logits":
-            out: torch.Tensor = self.method.logits(inputs)[0]
+        if self.part == "logits":  # absent answer choices masked, as the method's forward
+            out: torch.Tensor = mask_absent(self.method.logits(inputs), _choices(inputs))[0]
             return out
         return self.method.features(inputs)
+
+
+def _choices(inputs: Any) -> torch.Tensor | None:
+    """The batch's ``choice_mask`` (B, C) (false: an absent answer choice), or None."""
+    return inputs.get("choice_mask") if isinstance(inputs, MutableMapping) else None
 
 
 class _HeadAsLinear(nn.Module):
@@ -213,8 +219,10 @@ class LaplaceMethod(EnsembleMethod):
                              f"min < max and at least 2 points, got {prior_grid}")
         self.prior_grid = (float(grid[0]), float(grid[1]), int(grid[2]))
         if info.multiple_choice:
-            raise ValueError(f"method '{name}' does not take multiple-choice data yet "
-                             f"(its (B, choices, tokens) inputs); use a classification dataset")
+            raise ValueError(f"method '{name}' does not take multiple-choice data in the "
+                             f"encoder format yet (its (B, choices, tokens) inputs); use a "
+                             f"classification dataset or ARC-Easy as a prompt "
+                             f"(dataset.format=causal_lm)")
         super().__init__(backbone, info, members=1, name=name)
         self.posterior: Any = None
         self.prior_precision: float | None = None
@@ -240,8 +248,11 @@ class LaplaceMethod(EnsembleMethod):
         from laplace.utils import normal_samples
 
         f_mu, f_var = self._glm_moments(batch)
+        mask = _choices(batch)
+        if mask is not None:  # absent choices have no variance; a unit one keeps the Cholesky
+            f_var = f_var + torch.diag_embed((~mask.bool()).to(f_var.dtype))  # defined
         # laplace-torch's GLM predictive draws (its predictive_samples, on these moments)
-        f = normal_samples(f_mu, f_var, self.samples, generator)
+        f = mask_absent(normal_samples(f_mu, f_var, self.samples, generator), mask)
         return torch.log_softmax(f, dim=-1)
 
     def _glm_moments(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -322,6 +333,7 @@ class LaplaceMethod(EnsembleMethod):
         for batch in batches:
             x, y = (batch, batch["labels"]) if isinstance(batch, MutableMapping) else batch
             js, f_mu = self._jacobians(x)  # once (f_var below is the cheap part)
+            f_mu = mask_absent(f_mu[None], _choices(x))[0]
             for i, prior in enumerate(grid):
                 la.prior_precision = prior
                 f_var = la.functional_variance(js).diagonal(dim1=1, dim2=2)
