@@ -11,12 +11,12 @@ maintained laplace-torch library (Daxberger et al., 2021, "Laplace Redux"):
 - **Last-layer Laplace** (the cheap post-hoc baseline): a single model (fine-tuned, or a linear
   probe), then a Laplace approximation over the classification head only.
 
-The prior precision is chosen on the validation split by grid search over the NLL of the
-probit-approximated linearised predictive (the objective of laplace-torch's ``gridsearch``),
-as the papers tune it on held-out data. At evaluation the method returns ``samples`` draws of
-the linearised (GLM) predictive, the logits f ~ N(f_MAP, J P⁻¹ Jᵀ), as members (S, B, C): the
-task averages their softmax like an ensemble's. Before the posterior is fitted (training, and the validation
-passes that choose the epoch) the method is the MAP model, logits (1, B, C).
+The prior precision is chosen on the validation split by grid search over the NLL of the probit-
+approximated linearised predictive (the objective of laplace-torch's ``gridsearch``), as the
+papers tune it on held-out data. At evaluation the method returns ``samples`` draws of the
+linearised (GLM) predictive, the logits f ~ N(f_MAP, J P⁻¹ Jᵀ), as members (S, B, C): the task
+averages their softmax like an ensemble's. Before the posterior is fitted (training, and the
+validation passes that choose the epoch) the method is the MAP model, logits (1, B, C).
 
 The runner calls :meth:`LaplaceMethod.fit_posthoc` after training and after loading a
 checkpoint (``job=eval``); the fit reads the training split once, so it is deterministic.
