@@ -179,8 +179,13 @@ def test_ensemble_figures_tiny_vit(monkeypatch):
     from uqbench.bench import ensembles
 
     monkeypatch.setattr(ensembles, "_tu", lambda: None)
-    rows = ensembles.time_rows(ensembles.MODELS["tiny_vit"], 2, 4, CPU, repeats=1, anchors=True)
+    rows = ensembles.time_rows(ensembles.MODELS["tiny_vit"], 2, 4, CPU, repeats=1, anchors=True,
+                               baselines=True)
     figures = {r.figure: r for r in rows}
+    for figure in ("BatchEnsemble M = 2 training step / single (batch 4)",
+                   "BLoB inference, 2 draws / single (batch 4)",
+                   "MAP LoRA (Laplace-LoRA's training) step / single (batch 4)"):
+        assert figures[figure].ours > 0 and figures[figure].target is None
     assert figures["SVE M = 2 training step / Deep Ensemble M = 2 step (batch 4)"].ours > 0
     mcd = figures["MC-Dropout T = 2 inference / single (batch 4)"]
     assert mcd.target == pytest.approx(2.2) and mcd.anchor_value is None

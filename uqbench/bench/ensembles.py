@@ -8,7 +8,12 @@ ratios: SVE / Deep Ensemble, Deep Ensemble / single, LoRA-Ensemble / single, MC-
 (T passes) / single, with torch-uncertainty's Deep-Ensemble and MC-Dropout wrappers on the same
 network as anchors. Memory: the peak of a training step, the trainable state (parameters +
 gradients + optimiser state) and the memory of the targeted layers (SVE, its top-k form and
-LoRA-Ensemble), the last also for LLaMA-2-7B's shapes, counted on the meta device.
+LoRA-Ensemble), the last also for LLaMA-2-7B's shapes, counted on the meta device. At the
+first M, the methods P1 compares against (BatchEnsemble, BLoB, MAP LoRA) are timed in the same
+rounds, against the single model.
+
+Longer than most modules: one side-by-side measurement per M holds every method's steppers, so
+that each ratio's two figures come from the same rounds.
 """
 
 from __future__ import annotations
@@ -167,9 +172,11 @@ def _tu() -> Any:
 
 
 def time_rows(model: Model, members: int, batch: int, device: torch.device, repeats: int,
-              anchors: bool) -> list[Record]:
+              anchors: bool, baselines: bool = False) -> list[Record]:
     """Training-step and inference ratios, and memory, at M = ``members`` (the single model is
-    timed again beside every M, so each ratio comes from one side-by-side measurement)."""
+    timed again beside every M, so each ratio comes from one side-by-side measurement).
+    ``baselines``: also BatchEnsemble (M members), BLoB (M draws at inference) and MAP LoRA
+    (Laplace-LoRA's training step), against the single model, without targets."""
     dev, section = str(device), SECTION_TIME.format(model=model.label)
     inputs, labels = model.inputs(batch, device), torch.randint(0, CLASSES, (batch,),
                                                                 device=device)
@@ -182,6 +189,12 @@ def time_rows(model: Model, members: int, batch: int, device: torch.device, repe
         "mcd": Stepper(build(model, "mc_dropout", device, f"method.samples={members}"),
                        inputs, labels),
     }
+    if baselines:
+        steppers |= {
+            "be": Stepper(build(model, "batch_ensemble", device, m), inputs, labels),
+            "blob": Stepper(build(model, "blob", device, f"method.samples={members}"), inputs,
+                            labels),
+            "map_lora": Stepper(build(model, "map_lora", device), inputs, labels)}
     tu = _tu() if anchors else None
     if tu:
         deep_ensembles, mc_dropout = tu
@@ -230,14 +243,31 @@ def time_rows(model: Model, members: int, batch: int, device: torch.device, repe
                target=1.1 * members, target_rule="1.1 · T", section=section,
                note=skipped or f"single {t['infer_single'] * 1e3:.3g} ms"),
     ]
+    if baselines:
+        rows += [
+            Record(f"BatchEnsemble {tag} training step / single{at}",
+                   t["train_be"] / t["train_single"], "×", dev, section=section),
+            Record(f"BatchEnsemble {tag} inference / single{at}",
+                   t["infer_be"] / t["infer_single"], "×", dev, section=section),
+            Record(f"BLoB training step (1 draw) / single{at}",
+                   t["train_blob"] / t["train_single"], "×", dev, section=section),
+            Record(f"BLoB inference, {members} draws / single{at}",
+                   t["infer_blob"] / t["infer_single"], "×", dev, section=section),
+            Record(f"MAP LoRA (Laplace-LoRA's training) step / single{at}",
+                   t["train_map_lora"] / t["train_single"], "×", dev, section=section,
+                   note="Laplace-LoRA's inference takes one backward pass per class and "
+                        "example (the GLM predictive's Jacobians): not timed here")]
     msection = SECTION_MEMORY.format(model=model.label)
-    state = {k: steppers[k].state_bytes() for k in ("sve", "de", "lora", "single")}
+    state = {k: s.state_bytes() for k, s in steppers.items()
+             if k in ("sve", "de", "lora", "single", "be", "blob", "map_lora")}
+    others = "".join(f", {label} {state[k] / 1e6:.3g} MB" for k, label in (
+        ("be", "BatchEnsemble"), ("blob", "BLoB"), ("map_lora", "MAP LoRA")) if k in state)
     rows.append(Record(f"SVE {tag} trainable state / Deep Ensemble {tag}'s{at}",
                        100 * state["sve"] / state["de"], "%", dev, target=2.0, section=msection,
                        note=f"parameters + gradients + AdamW state: SVE "
                             f"{state['sve'] / 1e6:.3g} MB, Deep Ensemble "
                             f"{state['de'] / 1e6:.4g} MB, LoRA-Ensemble "
-                            f"{state['lora'] / 1e6:.3g} MB"))
+                            f"{state['lora'] / 1e6:.3g} MB{others}"))
     measured = {k: steppers[k].peak(device) for k in ("sve", "de", "lora")}
     peaks = {k: p for k, p in measured.items() if p is not None}
     if len(peaks) == len(measured):
@@ -312,7 +342,7 @@ def run(device: torch.device, repeats: int, members: list[int], models: list[str
         for i, m in enumerate(sizes):
             rows = time_rows(model, m, max(1, first * sizes[0] // m), device,
                              repeats if i == 0 else max(2, repeats // 2),
-                             anchors and i == 0 and not text)
+                             anchors and i == 0 and not text, baselines=i == 0)
             records += rows
             done(rows)
         rows = layer_memory(model, sizes[0], device, list(topk))
