@@ -249,3 +249,39 @@ def test_half_precision_weights_are_refused_before_anything_is_built(tmp_path):
                    "trainer.precision=bf16-true", f"paths.runs_dir={tmp_path}", check=False)
     assert proc.returncode != 0 and "bf16-true" in proc.stderr and "32 or bf16-mixed" in proc.stderr
     assert not any(tmp_path.rglob("results.json"))
+
+
+class _DictNet(torch.nn.Module):
+    """A tiny model of dict inputs (as a text backbone's) with a layer norm mixing features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 6), torch.nn.Linear(6, 3)
+        self.norm = torch.nn.LayerNorm(6)
+
+    def forward(self, inputs):
+        return self.b(torch.tanh(self.norm(self.a(inputs["x"] * inputs["scale"][:, None]))))
+
+
+@pytest.mark.parametrize("vmapped", [True, False])
+def test_per_example_jacobians_are_laplace_torchs_batch_jacobians(monkeypatch, vmapped):
+    """One example at a time (vmapped, or in a loop where vmap refuses the model) gives the
+    Jacobians laplace-torch takes of the whole batch's logits, in its (B, C, P) layout."""
+    from laplace.curvature import CurvlinopsGGN
+
+    from uqbench.methods.laplace import per_example_jacobians
+
+    torch.manual_seed(0)
+    net = _DictNet()
+    net.a.requires_grad_(False)                       # the covered weights: b's only
+    net.norm.requires_grad_(False)
+    inputs = {"x": torch.randn(5, 4), "scale": torch.rand(5) + 0.5}
+    if not vmapped:
+        def refuse(*args, **kwargs):
+            raise RuntimeError("data-dependent control flow")
+        monkeypatch.setattr(torch.func, "vmap", refuse)
+    js, f = per_example_jacobians(net, ["b.weight", "b.bias"], inputs)
+    expected, f_expected = CurvlinopsGGN(net, "classification").jacobians(inputs)
+    assert js.shape == (5, 3, 3 * 6 + 3)
+    torch.testing.assert_close(js, expected)
+    torch.testing.assert_close(f, f_expected)
