@@ -303,3 +303,18 @@ def test_a_bad_link_on_the_command_line_fails_before_anything_is_written(tmp_pat
     # refused by the config check, before the run folder is locked (no .lock file keeps its
     # parent) or built; the runner then drops the folder Hydra made for its log
     assert list(tmp_path.iterdir()) == []
+
+
+def test_scoring_refuses_a_method_setting_the_run_was_not_trained_with(tmp_path):
+    """job=eval scores the run as trained: ``method.covariance=full`` on a diagonal run would be
+    silently ignored, so it is refused, naming the setting; the run's own value passes."""
+    run_cli(*TINY, f"paths.runs_dir={tmp_path}", "run_name=diag", "trainer.epochs=1")
+    run = tmp_path / "diag"
+    proc = run_cli("job=eval", f"eval_run={run}", f"paths.runs_dir={tmp_path}",
+                   "method.covariance=full", check=False)
+    assert proc.returncode != 0
+    assert "method.covariance=full (the run has diagonal)" in proc.stderr
+    assert not (run / "eval").exists()
+    run_cli("job=eval", f"eval_run={run}", f"paths.runs_dir={tmp_path}",
+            "method.covariance=diagonal", "logger=none")
+    assert (run / "eval" / "polynomial" / "results.json").is_file()

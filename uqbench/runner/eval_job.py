@@ -40,6 +40,7 @@ def eval_job(cfg: DictConfig) -> dict[str, Any]:
     run_dir = Path(str(cfg.eval_run)).expanduser() if cfg.get("eval_run") else Path(cfg.run_dir)
     stored, scored_run, sources = _sources(run_dir)
     keys = _command_keys()
+    _refuse_unapplied(cfg, stored, keys)
     chosen, changed = _dataset_overrides(keys)
     task_keys = [] if keys is None else sorted(k[5:] for k in keys if k.startswith("task."))
     configs = {s: _eval_config(cfg, c, chosen, changed, task_keys) for s, c in sources.items()}
@@ -178,6 +179,33 @@ def _command_keys() -> list[str] | None:
     if not HydraConfig.initialized():
         return None
     return [o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task]
+
+
+#: config groups a scoring job takes from the scored run, whatever the command says
+FROM_RUN = ("method", "backbone", "trainer")
+
+
+def _refuse_unapplied(cfg: DictConfig, stored: dict[str, Any], keys: list[str] | None) -> None:
+    """A scoring job scores the run as it was trained: a command's method, backbone or trainer
+    setting that differs from the run's (``method.covariance=full`` on a run trained with
+    ``diagonal``) would be silently ignored, so it is refused. Settings equal to the run's pass
+    (a sweep ``job=train,eval`` gives both jobs the same overrides)."""
+    run_cfg = OmegaConf.create(stored)
+    differ = []
+    for key in keys or []:
+        if key.split(".")[0] not in FROM_RUN:
+            continue
+        path = key if "." in key else f"{key}.name"  # method=sve: the option chosen, by name
+        asked = _resolved(OmegaConf.select(cfg, path, default=None))
+        ran = _resolved(OmegaConf.select(run_cfg, path, default=None))
+        if asked != ran:
+            differ.append(f"{path}={asked} (the run has {ran})")
+    if differ:
+        raise ValueError(f"job=eval scores the run as it was trained, with its own method, "
+                         f"backbone and trainer; the command sets {'; '.join(differ)}. "
+                         f"A scoring job takes dataset=…, dataset.<key>, task.<key>, "
+                         f"eval_splits, device and output options; train another run for "
+                         f"another setting")
 
 
 def _dataset_overrides(keys: list[str] | None) -> tuple[bool, list[str]]:
