@@ -305,16 +305,30 @@ def test_a_bad_link_on_the_command_line_fails_before_anything_is_written(tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
-def test_scoring_refuses_a_method_setting_the_run_was_not_trained_with(tmp_path):
-    """job=eval scores the run as trained: ``method.covariance=full`` on a diagonal run would be
-    silently ignored, so it is refused, naming the setting; the run's own value passes."""
-    run_cli(*TINY, f"paths.runs_dir={tmp_path}", "run_name=diag", "trainer.epochs=1")
+def test_scoring_takes_the_bnns_inference_options_and_refuses_what_it_would_ignore(tmp_path):
+    """job=eval scores the run as trained: a method setting it cannot apply (the variance head)
+    is refused, naming it, where it used to be ignored; the run's own value passes; the BNN's
+    scoring options (``method.covariance=full``: the same weights, propagated with their
+    covariances) score the run again into a folder of their own."""
+    # two hidden layers: the second's units share the first's outputs, so covariances matter
+    run_cli(*TINY, f"paths.runs_dir={tmp_path}", "run_name=diag", "trainer.epochs=1",
+            "backbone.depth=2")
     run = tmp_path / "diag"
+    trained = json.loads((run / "results.json").read_text())
     proc = run_cli("job=eval", f"eval_run={run}", f"paths.runs_dir={tmp_path}",
-                   "method.covariance=full", check=False)
+                   "method.variance=learned", check=False)
     assert proc.returncode != 0
-    assert "method.covariance=full (the run has diagonal)" in proc.stderr
+    assert "method.variance=learned (the run has embedded)" in proc.stderr
+    assert "method.covariance" in proc.stderr                    # what a scoring job takes
     assert not (run / "eval").exists()
     run_cli("job=eval", f"eval_run={run}", f"paths.runs_dir={tmp_path}",
-            "method.covariance=diagonal", "logger=none")
-    assert (run / "eval" / "polynomial" / "results.json").is_file()
+            "method.variance=embedded", "logger=none")
+    same = json.loads((run / "eval" / "polynomial" / "results.json").read_text())
+    assert same["metrics"]["test/nll"] == trained["metrics"]["test/nll"]
+    run_cli("job=eval", f"eval_run={run}", f"paths.runs_dir={tmp_path}",
+            "method.covariance=full", "logger=none")
+    full = json.loads((run / "eval" / "polynomial,method.covariance=full"
+                       / "results.json").read_text())
+    assert full["scored_with"] == {"method.covariance": "full"}
+    assert full["metrics"]["test/nll"] != trained["metrics"]["test/nll"]  # another inference
+    assert math.isfinite(full["metrics"]["test/nll"])

@@ -61,6 +61,18 @@ def speed_options(config: dict[str, Any]) -> tuple[str, ...]:
     """The options the config's method class declares speed-only (its ``speed_options``),
     () when the config names no method class or the class cannot be imported (a run stored by
     a version whose class is gone keeps its options as identity)."""
+    return _declared(config, "speed_options")
+
+
+def scoring_options(config: dict[str, Any]) -> tuple[str, ...]:
+    """The options the config's method class lets a scoring job (``job=eval``) change: how a
+    trained model predicts, not what it learned (its ``scoring_options``, e.g. the BNN's
+    ``covariance``); () as :func:`speed_options`."""
+    return _declared(config, "scoring_options")
+
+
+def _declared(config: dict[str, Any], attribute: str) -> tuple[str, ...]:
+    """A tuple attribute of the config's method class, () without an importable class."""
     method = config.get("method")
     target = method.get("_target_") if isinstance(method, dict) else None
     if not isinstance(target, str):
@@ -71,7 +83,7 @@ def speed_options(config: dict[str, Any]) -> tuple[str, ...]:
         cls = get_class(target)
     except (ImportError, ValueError):
         return ()
-    return tuple(getattr(cls, "speed_options", ()))
+    return tuple(getattr(cls, attribute, ()))
 
 
 def _kept_apart(prefix: str, key: str, speed: tuple[str, ...]) -> bool:

@@ -31,6 +31,11 @@ torch.compile when no gradient is taken (inference), which pays only once its co
 ``covariance: diagonal`` (default, P2's) treats a layer's units as independent; ``full`` carries
 their covariances from layer to layer as deterministic variational inference does (Wu et al.,
 ICLR 2019; :mod:`uqbench.methods.moments.covariance`), for the loss's and predictions' moments.
+``covariance``, ``inference``, ``mc_samples`` and ``check_samples`` are how trained weights
+predict, not what they learned: a scoring job (``job=eval``) may set them (``scoring_options``).
+
+Longer than most modules: the two variance heads, the two training estimates, the inference
+options and the checks against Monte Carlo share one class and its validation of options.
 """
 
 from __future__ import annotations
@@ -147,6 +152,7 @@ class BayesianMLP(Method):
 
     task = "regression"
     speed_options: tuple[str, ...] = ("fused", "compile")  # not part of a run's identity
+    scoring_options: tuple[str, ...] = ("covariance", "inference", "mc_samples", "check_samples")
 
     def __init__(self, backbone: MLP, info: DataInfo, name: str = "bnn",
                  variance: str = "embedded", inference: str = "moments", mc_samples: int = 200,

@@ -23,6 +23,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from uqbench.configs import build
+from uqbench.identity import scoring_options
 from uqbench.records.loggers import log_results, run_labels
 from uqbench.records.results import group_settings, write_stage
 from uqbench.records.runfolder import RunExistsError, RunFolder, finished
@@ -40,8 +41,10 @@ def eval_job(cfg: DictConfig) -> dict[str, Any]:
     run_dir = Path(str(cfg.eval_run)).expanduser() if cfg.get("eval_run") else Path(cfg.run_dir)
     stored, scored_run, sources = _sources(run_dir)
     keys = _command_keys()
-    _refuse_unapplied(cfg, stored, keys)
+    scoring = _scoring_overrides(keys, stored)
+    _refuse_unapplied(cfg, stored, [k for k in keys or [] if k not in scoring])
     chosen, changed = _dataset_overrides(keys)
+    changed += scoring  # put on the run's config, and named in the eval folder
     task_keys = [] if keys is None else sorted(k[5:] for k in keys if k.startswith("task."))
     configs = {s: _eval_config(cfg, c, chosen, changed, task_keys) for s, c in sources.items()}
     run_cfg = _eval_config(cfg, stored, chosen, changed, task_keys)
@@ -59,6 +62,8 @@ def eval_job(cfg: DictConfig) -> dict[str, Any]:
                    "run": run_cfg.run_subdir, "dataset": str(run_cfg.dataset.name),
                    "method": str(run_cfg.method.name), "backbone": str(run_cfg.backbone.name),
                    "seed": int(run_cfg.seed), "scored_from": [str(s) for s in sources],
+                   # the method's scoring options the command changed (method.covariance=full)
+                   "scored_with": {k: _resolved(OmegaConf.select(cfg, k)) for k in scoring},
                    "eval_splits": _resolved(run_cfg.get("eval_splits")),
                    "settings": {"dataset": group_settings(run_cfg.dataset) | data.settings(),
                                 "task": group_settings(run_cfg.task)},
@@ -185,14 +190,21 @@ def _command_keys() -> list[str] | None:
 FROM_RUN = ("method", "backbone", "trainer")
 
 
-def _refuse_unapplied(cfg: DictConfig, stored: dict[str, Any], keys: list[str] | None) -> None:
+def _scoring_overrides(keys: list[str] | None, stored: dict[str, Any]) -> list[str]:
+    """The command's ``method.<option>`` keys that the run's method lets a scoring job change
+    (its class's ``scoring_options``, e.g. the BNN's ``method.covariance``), sorted."""
+    allowed = scoring_options(stored)
+    return sorted(k for k in keys or [] if k.startswith("method.") and k[7:] in allowed)
+
+
+def _refuse_unapplied(cfg: DictConfig, stored: dict[str, Any], keys: list[str]) -> None:
     """A scoring job scores the run as it was trained: a command's method, backbone or trainer
-    setting that differs from the run's (``method.covariance=full`` on a run trained with
-    ``diagonal``) would be silently ignored, so it is refused. Settings equal to the run's pass
-    (a sweep ``job=train,eval`` gives both jobs the same overrides)."""
+    setting that differs from the run's (``method.rank=4`` on a rank-8 run) would be silently
+    ignored, so it is refused; the method's scoring options are not among ``keys``. Settings
+    equal to the run's pass (a sweep ``job=train,eval`` gives both jobs the same overrides)."""
     run_cfg = OmegaConf.create(stored)
     differ = []
-    for key in keys or []:
+    for key in keys:
         if key.split(".")[0] not in FROM_RUN:
             continue
         path = key if "." in key else f"{key}.name"  # method=sve: the option chosen, by name
@@ -201,11 +213,12 @@ def _refuse_unapplied(cfg: DictConfig, stored: dict[str, Any], keys: list[str] |
         if asked != ran:
             differ.append(f"{path}={asked} (the run has {ran})")
     if differ:
+        options = ", ".join(f"method.{o}" for o in scoring_options(stored)) or "none"
         raise ValueError(f"job=eval scores the run as it was trained, with its own method, "
                          f"backbone and trainer; the command sets {'; '.join(differ)}. "
                          f"A scoring job takes dataset=…, dataset.<key>, task.<key>, "
-                         f"eval_splits, device and output options; train another run for "
-                         f"another setting")
+                         f"eval_splits, device, output options and the method's scoring "
+                         f"options ({options}); train another run for another setting")
 
 
 def _dataset_overrides(keys: list[str] | None) -> tuple[bool, list[str]]:
