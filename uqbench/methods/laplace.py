@@ -148,8 +148,8 @@ class _Part(nn.Module):
     def forward(self, inputs: Any) -> torch.Tensor:
         if isinstance(inputs, MutableMapping):
             inputs = {k: v for k, v in inputs.items() if k != "labels"}
-        if self.part == "logits":  # absent answer choices masked, as the method's forward
-            out: torch.Tensor = mask_absent(self.method.logits(inputs), _choices(inputs))[0]
+        if self.part == "logits":
+            out: torch.Tensor = self.method.map_logits(inputs)[0]
             return out
         return self.method.features(inputs)
 
@@ -226,6 +226,7 @@ class LaplaceMethod(EnsembleMethod):
         super().__init__(backbone, info, members=1, name=name)
         self.posterior: Any = None
         self.prior_precision: float | None = None
+        self._covered: list[str] = []  # the posterior's weights, by name (set by the fit)
 
     @classmethod
     def check_trainer(cls, trainer: dict[str, Any], method: dict[str, Any]) -> None:
@@ -242,7 +243,7 @@ class LaplaceMethod(EnsembleMethod):
         in evaluation mode, ``samples`` draws of the GLM predictive, log-probabilities
         (S, B, C) (their softmax is the draw's probabilities)."""
         if self.posterior is None or self.training:
-            return super().forward(inputs)
+            return self.map_logits(inputs)
         batch = inputs if not isinstance(inputs, dict) else dict(inputs)
         generator = torch.Generator(device=self.head.weight.device).manual_seed(0)
         from laplace.utils import normal_samples
@@ -254,6 +255,11 @@ class LaplaceMethod(EnsembleMethod):
         # laplace-torch's GLM predictive draws (its predictive_samples, on these moments)
         f = mask_absent(normal_samples(f_mu, f_var, self.samples, generator), mask)
         return torch.log_softmax(f, dim=-1)
+
+    def map_logits(self, inputs: Any) -> torch.Tensor:
+        """The MAP model's logits (1, B, C), absent answer choices masked: what training sees,
+        and the model the posterior approximates."""
+        return super().forward(inputs)
 
     def _glm_moments(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """The linearised predictive's moments f_MAP (B, C) and J P⁻¹ Jᵀ (B, C, C), as
