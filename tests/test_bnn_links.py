@@ -332,3 +332,11 @@ def test_scoring_takes_the_bnns_inference_options_and_refuses_what_it_would_igno
     assert full["scored_with"] == {"method.covariance": "full"}
     assert full["metrics"]["test/nll"] != trained["metrics"]["test/nll"]  # another inference
     assert math.isfinite(full["metrics"]["test/nll"])
+    # the run's settings as scored (a table groups the scoring by them) and its model's size
+    assert full["settings"]["method"] == trained["settings"]["method"] | {"covariance": "full"}
+    assert trained["settings"]["method"]["covariance"] == "diagonal"
+    assert full["settings"]["backbone"] == trained["settings"]["backbone"]
+    assert full["params"] == trained["params"]
+    # the full pass costs more than the diagonal one (width² pairs, each a 24-node quadrature)
+    assert full["metrics"]["test/pass_cost_vs_diagonal"] > 1
+    assert "test/pass_cost_vs_diagonal" not in trained["metrics"]

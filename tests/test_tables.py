@@ -231,3 +231,60 @@ def test_series_and_faceted_figures_are_drawn_and_checked(runs, capsys, monkeypa
           {**result("embedded", 0, 1.0), "table": bad})
     _, _, warnings = build(runs, capsys)
     assert any("series and labels" in w for w in warnings)
+
+
+def _scoring(variance: str, seed: int, nll: float, covariance: str = "full") -> dict:
+    """A scoring job's results of one run (``job: eval``): the run's settings with a scoring
+    option changed, no table of its own."""
+    res = result(variance, seed, nll)
+    res["settings"]["method"]["covariance"] = covariance
+    return {k: v for k, v in res.items() if k != "table"} | {"job": "eval"}
+
+
+def test_scorings_stay_out_of_a_table_unless_it_asks_and_then_are_rows(runs, capsys):
+    """A scoring sorts before its run (eval/ < results.json): without ``scorings`` it is not a
+    row (it used to be one, of "–" keys); with ``scorings: true`` and a row key whose
+    ``default`` stands for the runs stored before the key existed, it is its own row."""
+    for seed in range(3):
+        write(runs / "toy" / "embedded" / f"seed{seed}" / "eval" / "full" / "results.json",
+              _scoring("embedded", seed, 0.25 * (seed + 1)))
+    csv, md, err = build(runs, capsys)
+    assert_expected_table(csv)
+    assert "–" not in md and err == []
+
+    spec = SPEC | {"scorings": True, "rows": SPEC["rows"] + [
+        {"key": "settings.method.covariance", "title": "covariance", "default": "diagonal"}]}
+    for path in runs.rglob("results.json"):
+        res = json.loads(path.read_text())
+        if "table" in res:
+            write(path, res | {"table": spec})
+    out = runs.parent / "tables"
+    main(["--runs", str(runs), "--out", str(out), "--quiet"])
+    table = pd.read_csv(out / "toy.csv").set_index(["variance", "covariance"])
+    assert sorted(table.index) == [("embedded", "diagonal"), ("embedded", "full"),
+                                   ("learned", "diagonal")]
+    assert table.loc[("embedded", "full"), "NLL mean"] == pytest.approx(0.5)  # 0.25, 0.5, 0.75
+    assert table.loc[("embedded", "diagonal"), "NLL mean"] == pytest.approx(7 / 3)
+    assert table.loc[("embedded", "full"), "params mean"] == PARAMS["embedded"]
+    assert capsys.readouterr().err == ""
+
+
+def test_a_scoring_that_changes_no_row_key_never_replaces_its_run(runs, capsys):
+    """With ``scorings: true``, a scoring whose settings show the same row values as its run
+    (another inference the rows do not tell apart) is skipped with a warning, not kept in
+    the run's place although it comes first in path order."""
+    for path in runs.rglob("results.json"):
+        write(path, json.loads(path.read_text()) | {"table": SPEC | {"scorings": True}})
+    scoring = write(runs / "toy" / "embedded" / "seed0" / "eval" / "mc" / "results.json",
+                    _scoring("embedded", 0, 100.0, covariance="diagonal"))
+    csv, _, err = build(runs, capsys)
+    assert_expected_table(csv)
+    assert len(err) == 1 and f"skipping {scoring}:" in err[0]
+
+
+def test_scorings_must_be_true_or_false(runs, capsys):
+    bad = write(runs / "toy" / "embedded" / "bad" / "results.json",
+                _good() | {"table": SPEC | {"scorings": "yes"}})
+    csv, _, err = build(runs, capsys)
+    assert_expected_table(csv)
+    assert err == [f"warning: skipping {bad}: table.scorings is not true or false"]

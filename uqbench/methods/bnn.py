@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -69,6 +70,7 @@ INFERENCES = ("moments", "mc")
 TRAININGS = ("moments", "sampling")
 COVARIANCES = ("diagonal", "full")
 CONVERTS = "nn.Linear (with a bias), nn.LeakyReLU, nn.ReLU"
+PASS_COST_ROUNDS = 3  # diagnostics: rounds of the full-vs-diagonal pass timing (median)
 CHECK_CHUNK_ELEMENTS = 2**22  # diagnostics: drawn weights + activations per MC chunk (cache-sized)
 
 
@@ -296,7 +298,8 @@ class BayesianMLP(Method):
         mc_mean_gap: mean over inputs and targets of |μ_moments − μ_MC| / σ_MC; mc_std_ratio:
         mean of σ_moments / σ_MC (total predictive σ); mc_samples: S. The draws come from a
         fixed seed and the global random state is restored afterwards, so the hook neither
-        depends on nor changes what the run draws elsewhere.
+        depends on nor changes what the run draws elsewhere. With ``covariance: full`` also
+        pass_cost_vs_diagonal: :meth:`pass_cost`.
         """
         if self.check_samples == 0:
             return {}
@@ -304,9 +307,36 @@ class BayesianMLP(Method):
         with _private_rng(inputs.device, seed=0):
             mean, var = self._mc_moments(inputs, self.check_samples, mom.mean.double())
         sd_mc = var.sqrt()
-        return {"mc_mean_gap": ((mom.mean.double() - mean).abs() / sd_mc).mean().item(),
-                "mc_std_ratio": (mom.var.double().sqrt() / sd_mc).mean().item(),
-                "mc_samples": self.check_samples}
+        found = {"mc_mean_gap": ((mom.mean.double() - mean).abs() / sd_mc).mean().item(),
+                 "mc_std_ratio": (mom.var.double().sqrt() / sd_mc).mean().item(),
+                 "mc_samples": self.check_samples}
+        if self.covariance == "full":
+            found["pass_cost_vs_diagonal"] = self.pass_cost(inputs)
+        return found
+
+    @torch.no_grad()
+    def pass_cost(self, inputs: torch.Tensor, rounds: int = PASS_COST_ROUNDS) -> float:
+        """The time of this network's moment pass on ``inputs`` over the diagonal pass's (fused,
+        not compiled: the default), measured side by side: in each of ``rounds`` rounds one pass
+        of each, the diagonal one repeated until it has taken as long as the other (at most
+        1000 times) and averaged; the median of the rounds' ratios."""
+        def timed(fn: Callable[[], object], times: int = 1) -> float:
+            if inputs.device.type == "cuda":
+                torch.cuda.synchronize(inputs.device)
+            start = time.perf_counter()
+            for _ in range(times):
+                fn()
+            if inputs.device.type == "cuda":
+                torch.cuda.synchronize(inputs.device)
+            return (time.perf_counter() - start) / times
+
+        ratios = []
+        for _ in range(rounds):
+            own = timed(lambda: self.moment_pass(inputs))
+            once = timed(lambda: self.net.forward_fused(inputs))
+            times = int(min(1000, max(1, own / max(once, 1e-9))))
+            ratios.append(own / timed(lambda: self.net.forward_fused(inputs), times))
+        return float(sorted(ratios)[len(ratios) // 2])
 
     def _mc_moments(self, x: torch.Tensor, samples: int,
                     shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

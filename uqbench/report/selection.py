@@ -429,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.write is not None and args.write.suffix != ".yaml":
             raise ValueError(f"--write {args.write}: a recipe is a Hydra config, NAME.yaml "
                              f"(e.g. conf/recipe/{args.write.stem or 'name'}.yaml)")
-        runs = [r for r in load_results(args.runs) if r.get("experiment") == args.experiment]
+        runs = [r for r in load_results(args.runs)  # trained runs: no scorings of them
+                if r.get("experiment") == args.experiment and r.get("job") != "eval"]
         if not runs:
             raise ValueError(f"no runs of experiment '{args.experiment}' under {args.runs}")
         check_sealed(args.runs, args.experiment)

@@ -11,6 +11,12 @@ Ensemble members. A run that trained one member of a Deep Ensemble as its own jo
 (``settings.method.member`` set) is not a row: its ensemble is, once ``uqbench-combine`` has
 written it (it would otherwise pass for the ensemble in the ensemble's row).
 
+Scorings. A scoring job's results (``job: eval``, in ``<run>/eval/…/``) carry their run's
+experiment but enter its table only when the spec says ``scorings: true``; they are then rows
+like any run, told apart by a row key such as ``settings.method.covariance``. A row entry's
+``default`` is the value a run without that key counts as (one stored before the setting
+existed).
+
 Seeds. One result per (setting, seed): when two files hold the same seed of the same setting
 (a copied run folder, a backup), the one first in sorted path order is kept, so the choice does
 not depend on file times, and a warning names both files.
@@ -18,6 +24,7 @@ not depend on file times, and a warning names both files.
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from pathlib import Path
@@ -95,6 +102,8 @@ def check_spec(spec: Any) -> None:
         except (TypeError, ValueError) as err:
             raise InvalidResults(f"table {kind} '{entry['title']}' has a bad fmt or "
                                  f"scale") from err
+    if not isinstance(spec.get("scorings", False), bool):
+        raise InvalidResults("table.scorings is not true or false")
     paper = spec.get("paper") or []
     if not isinstance(paper, list) or not all(
             isinstance(p, dict) and isinstance(p.get("row"), dict)
@@ -215,12 +224,34 @@ def setting_of(run: Run, spec: dict[str, Any]) -> tuple:
     return tuple(get_path(run, r["key"]) for r in spec["rows"])
 
 
+def with_defaults(run: Run, spec: dict[str, Any]) -> Run:
+    """``run`` with each row key it lacks set to that row's ``default`` (a copy, when any)."""
+    missing = [r for r in spec["rows"] if "default" in r and get_path(run, r["key"]) is None]
+    if not missing:
+        return run
+    run = copy.deepcopy(run)
+    for row in missing:
+        node = run
+        *parents, leaf = row["key"].split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                break  # a value where the path goes on: not a run this key describes
+        else:
+            node[leaf] = row["default"]
+    return run
+
+
 def table_runs(runs: list[Run], spec: dict[str, Any]) -> list[Run]:
     """The runs of one experiment that enter its table: values ``spec`` can read, and one run
     per (setting, seed), the first in path order (``runs`` come sorted), so a copied run
-    folder or a backup never counts as another seed."""
+    folder or a backup never counts as another seed; a trained run before any scoring (a
+    scoring that changed nothing the rows show is the same setting)."""
     kept: dict[tuple, Run] = {}
-    for run in runs:
+    for run in sorted(runs, key=lambda r: r.get("job") == "eval"):  # trained runs first
+        if run.get("job") == "eval" and not spec.get("scorings", False):
+            continue  # a scoring of a run: a row only where the table asks for scorings
+        run = with_defaults(run, spec)
         try:
             check_values(run, spec)
         except InvalidResults as err:

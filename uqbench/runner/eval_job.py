@@ -8,6 +8,8 @@ the run's stored config; the dataset (and its task) come from the command when i
 another scoring, another folder; results.json, predictions/), published all at once under the
 scored run's lock; the run's own files are never touched. A Deep Ensemble combined from member
 jobs is scored from its members' checkpoints, their predictions joined in member order.
+results.json holds the scored run's settings (with the scoring options applied) and parameter
+counts, so an experiment's table can put its scorings beside its runs (``table.scorings``).
 """
 
 from __future__ import annotations
@@ -65,8 +67,8 @@ def eval_job(cfg: DictConfig) -> dict[str, Any]:
                    # the method's scoring options the command changed (method.covariance=full)
                    "scored_with": {k: _resolved(OmegaConf.select(cfg, k)) for k in scoring},
                    "eval_splits": _resolved(run_cfg.get("eval_splits")),
-                   "settings": {"dataset": group_settings(run_cfg.dataset) | data.settings(),
-                                "task": group_settings(run_cfg.task)},
+                   "settings": _settings(scored_run, run_cfg, data, scoring),
+                   "params": scored_run.get("params"),  # the scored model's, unchanged
                    "metrics": metrics, "calibration": calibration,
                    "time": {"eval_s": time.perf_counter() - start},
                    "environment": environment(),
@@ -78,6 +80,22 @@ def eval_job(cfg: DictConfig) -> dict[str, Any]:
             folder.publish(stage)
     _track(cfg, run_cfg, run_config, results, out)
     return results
+
+
+def _settings(scored_run: dict[str, Any], run_cfg: DictConfig, data: Any,
+              scoring: list[str]) -> dict[str, Any]:
+    """The scored run's settings as this job scored with them: its own method, backbone and
+    trainer settings, with the scoring options the command changed put in (``method.covariance:
+    full``), and the data and task scored. A table that takes scorings (``table.scorings``)
+    groups them by these like training runs."""
+    settings = {k: v for k, v in (scored_run.get("settings") or {}).items()
+                if isinstance(v, dict)}
+    for key in scoring:  # method.<option>: a scoring option of the run's method
+        group, _, option = key.partition(".")
+        settings[group] = dict(settings.get(group) or {}) | {
+            option: _resolved(OmegaConf.select(run_cfg, key))}
+    return settings | {"dataset": group_settings(run_cfg.dataset) | data.settings(),
+                       "task": group_settings(run_cfg.task)}
 
 
 def _sources(run_dir: Path
