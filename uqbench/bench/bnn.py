@@ -1,11 +1,14 @@
 """Moment propagation against a plain forward, Monte Carlo and fastbnns (`make bench`).
 
-Figures, each on a Leaky-ReLU(0.1) MLP at batch 1024, float32, inference:
+Figures, each on a Leaky-ReLU(0.1) MLP at batch 1024, float32, inference (except the training
+step):
 - one moment-propagation pass / one plain forward of the same network (nn.Linear +
   nn.LeakyReLU, the weight means), for 1→64→64→1 and 1→1024→1; the anchor is fastbnns on the
   same network: its analytic Leaky-ReLU propagator and its default (unscented) one;
 - Monte Carlo inference with S = 10, 100, 1000 weight draws / one moment pass, with fastbnns'
   Monte Carlo propagator as the anchor;
+- P2's training step (moment pass, ELBO, backward, Adam; batch 100, one thread) / a plain
+  MLP's Gaussian-NLL step of the same width, both variances, widths 4, 64 and 1024;
 - accuracy: the variance error of each inference against a 2·10⁵-draw Monte Carlo reference,
   for one Leaky-ReLU unit across μ/σ from −40 to 40 (body |μ/σ| ≤ 3, tails beyond) and for the
   1→64→64→1 network's predictive σ.
@@ -20,6 +23,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from uqbench.backbones.mlp import MLP
@@ -33,6 +37,9 @@ from uqbench.methods.moments.layers import GaussianLinear
 SLOPE = 0.1
 NETS = {"1→64→64→1": (64, 2), "1→1024→1": (1024, 1)}
 SECTION_SPEED = "Moment propagation: speed (Leaky-ReLU MLP, batch 1024, inference)"
+SECTION_STEP = "P2 training step against a plain MLP's (batch 100, one thread)"
+STEP_WIDTHS = (4, 64, 1024)  # P2's narrowest, middle and widest hidden layers
+STEP_TARGET = 3.0            # BNN step / plain step: the goal for both variances
 SECTION_ACCURACY = "Moment propagation vs Monte Carlo: accuracy (variance error vs 2·10⁵ draws)"
 
 
@@ -242,9 +249,63 @@ def network_accuracy(device: torch.device, reference: int = 200_000, inputs: int
             for name, err in errors.items()]
 
 
+def _stepper(model: nn.Module, loss: Callable[[], torch.Tensor]) -> Callable[[], None]:
+    """One optimiser step as the runner takes it: Adam (the trainer's default, lr 1e-2,
+    foreach), zeroed gradients, the loss's backward."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss().backward()
+        opt.step()
+    return step
+
+
+def training_step(device: torch.device, repeats: int, quick: bool = False) -> list[Record]:
+    """P2's training step (the ELBO's moments by one moment pass, its backward and Adam) over
+    a plain MLP's Gaussian-NLL step of the same width (1→width→2, mean and softplus variance),
+    batch 100 as P2's, on one CPU thread as P2's runs; both variances, side by side."""
+    dev, threads = str(device), torch.get_num_threads()
+    batch = 100
+    x = torch.linspace(-1.5, 1.5, batch, device=device).unsqueeze(1)
+    y = x ** 3 - x
+    info = DataInfo("regression", in_dim=1, out_dim=1, num_train_batches=20)
+    records = []
+    torch.set_num_threads(1)
+    try:
+        for width in (4, 16) if quick else STEP_WIDTHS:
+            fns: dict[str, Callable[[], object]] = {}
+            for variance in ("embedded", "learned"):
+                torch.manual_seed(0)
+                bnn = BayesianMLP(MLP(width=width, depth=1, slope=SLOPE), info,
+                                  variance=variance).to(device).train()
+                fns[variance] = _stepper(bnn, functools.partial(bnn.loss, (x, y)))
+            torch.manual_seed(0)
+            plain = nn.Sequential(nn.Linear(1, width), nn.LeakyReLU(SLOPE),
+                                  nn.Linear(width, 2)).to(device)
+
+            def plain_loss(plain: nn.Module = plain) -> torch.Tensor:
+                out = plain(x)
+                return F.gaussian_nll_loss(out[:, :1], y, F.softplus(out[:, 1:]), full=True,
+                                           eps=1e-8, reduction="sum")
+            fns["plain"] = _stepper(plain, plain_loss)
+            t = side_by_side(fns, device, repeats=repeats, warmup=10)
+            for variance in ("embedded", "learned"):
+                records.append(Record(
+                    f"P2 training step / plain MLP step, 1→{width}→1, {variance}",
+                    t[variance] / t["plain"], "×", dev, target=STEP_TARGET,
+                    target_rule=f"{STEP_TARGET:g} (P2's step goal)", section=SECTION_STEP,
+                    note=f"batch {batch}, 1 thread, Adam; plain step "
+                         f"{t['plain'] * 1e3:.3g} ms"))
+    finally:
+        torch.set_num_threads(threads)
+    return records
+
+
 def run(device: torch.device, repeats: int, quick: bool = False) -> list[Record]:
     reference = 20_000 if quick else 200_000
     return (speed(device, repeats, batch=64 if quick else 1024, quick=quick)
+            + training_step(device, repeats=4 * repeats, quick=quick)
             + unit_accuracy(device, reference=reference, trials=5 if quick else 20)
             + network_accuracy(device, reference=reference, inputs=16 if quick else 64,
                                quick=quick))

@@ -64,6 +64,7 @@ from uqbench.methods.moments.layers import (
     MomentSequential,
 )
 from uqbench.methods.moments.links import LINKS, apply_link, expected_link
+from uqbench.methods.moments.step import fusable, moments_and_kl
 
 VARIANCES = ("embedded", "learned")
 INFERENCES = ("moments", "mc")
@@ -212,6 +213,7 @@ class BayesianMLP(Method):
             raise ValueError(f"method.covariance: full needs a covariance rule in every layer; "
                              f"{bad[0]} has none (those with one: {FULL_RULES})")
         self.net = MomentSequential(*layers)
+        self._one_node = fusable(self.net)  # the training loss's moments and KL in one node
 
     @classmethod
     def check_settings(cls, settings: dict[str, Any]) -> None:
@@ -240,7 +242,10 @@ class BayesianMLP(Method):
         return self.net.forward_fused(x)
 
     def _moments(self, x: torch.Tensor) -> RegressionOutput:
-        mean, var = self.moment_pass(x)
+        return self._head(*self.moment_pass(x))
+
+    def _head(self, mean: torch.Tensor, var: torch.Tensor) -> RegressionOutput:
+        """The predictive moments from the raw output moments (B, outputs)."""
         d = self.out_dim
         if self.variance == "embedded":
             return RegressionOutput(mean, var + self.min_var)
@@ -282,11 +287,15 @@ class BayesianMLP(Method):
         ``train_samples`` weight draws (``training: sampling``; unbiased sample variance)."""
         x, y = batch
         if self.training_mode == "sampling":
-            out = self._from_draws(self._draws(x, self.train_samples), unbiased=True)
+            out, kl = self._from_draws(self._draws(x, self.train_samples), unbiased=True), None
+        elif self.covariance == "diagonal" and self.fused and self._one_node:
+            # the fused pass and the KL as one autograd node: the same numbers, fewer ops
+            mean, var, kl = moments_and_kl(self.net, x)
+            out = self._head(mean, var)
         else:
-            out = self._moments(x)
+            out, kl = self._moments(x), None
         nll = 0.5 * (torch.log(2 * math.pi * out.var) + (y - out.mean) ** 2 / out.var).sum()
-        return nll + self.kl_weight * share * self.net.kl()
+        return nll + self.kl_weight * share * (self.net.kl() if kl is None else kl)
 
     # -- moments vs Monte Carlo ----------------------------------------------------------------
     @torch.no_grad()

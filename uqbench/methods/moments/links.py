@@ -88,14 +88,20 @@ def _kink_part(name: str, m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 def _half_line_part(name: str, m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """E[r(a)] = ∫₀^∞ r(u)·[N(u; −m, v) ± N(u; m, v)] du for the remainder r of ``name``.
+    """E[r(a)] = ∫₀^∞ r(u)·[N(u; −m, v) ± N(u; m, v)] du for the remainder r of ``name``."""
+    return _half_line_parts((name,), m, v)[0]
+
+
+def _half_line_parts(names: tuple[str, ...], m: torch.Tensor,
+                     v: torch.Tensor) -> list[torch.Tensor]:
+    """E[r(a)] = ∫₀^∞ r(u)·[N(u; −m, v) ± N(u; m, v)] du for the remainder r of each of
+    ``names``, on one window and its nodes.
 
     r(u) ≤ e^{−u}, so the larger term, r(u)·N(u; |m|, v), is at most a Gaussian in u centred at
     p = |m| − v with variance v: the window [p − W, p + W] ∩ [0, ∞) (W = √(_TAIL·v)), narrowed
     on the right to where that envelope falls by e^{−_TAIL/2} when p < 0, holds all but a
-    fraction e^{−_TAIL/2} of the integral. m, v: (N,); returns (N,).
+    fraction e^{−_TAIL/2} of the integral. m, v: (N,); returns (N,) each.
     """
-    _, half, sign = _INTEGRANDS[name]
     s = v.sqrt()
     p = m.abs() - v
     q = (-p).clamp_min(0)
@@ -106,30 +112,50 @@ def _half_line_part(name: str, m: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     width = (upper - lower)[:, None]
     u = lower[:, None] + width * t                                   # (N, K)
     pdf = lambda c: torch.exp(-0.5 * ((u - c[:, None]) / s[:, None]) ** 2)  # noqa: E731
-    weight = pdf(-m) + sign * pdf(m)
-    return (half(u) * weight * w).sum(-1) * width[:, 0] / (s * _SQRT_2PI)
+    left, right = pdf(-m), pdf(m)
+    scale = width[:, 0] / (s * _SQRT_2PI)
+    outs = []
+    for name in names:
+        _, half, sign = _INTEGRANDS[name]
+        outs.append((half(u) * (left + sign * right) * w).sum(-1) * scale)
+    return outs
 
 
 def _gaussian_expectation(name: str, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
-    """E[f(a)], a ~ N(mean, var) elementwise, f = softplus, sigmoid or σ' (``name``).
+    """E[f(a)], a ~ N(mean, var) elementwise, f = softplus, sigmoid or σ' (``name``)."""
+    return _gaussian_expectations((name,), mean, var)[0]
+
+
+def _gaussian_expectations(names: tuple[str, ...], mean: torch.Tensor,
+                           var: torch.Tensor) -> list[torch.Tensor]:
+    """E[f(a)] for each f in ``names`` (softplus, sigmoid, σ'), a ~ N(mean, var) elementwise,
+    the branches chosen once for all of them.
 
     s ≤ 1: Gauss–Hermite in the standardised variable; s > 1: closed-form kink part plus the
     half-line remainder (:func:`_half_line_part`); v = 0: f(mean) exactly. Each element is
-    computed by one rule only (no work, and no inf/nan, in the branch it does not take).
+    computed by one rule only (no work, and no inf/nan, in the branch it does not take); when
+    every element takes the Gauss–Hermite rule (the usual case in training) it is applied to
+    the whole tensor without selecting.
     """
-    full, _, _ = _INTEGRANDS[name]
+    fns = [_INTEGRANDS[name][0] for name in names]
     v = var.clamp_min(0)
-    out = full(mean)  # v = 0
     small = (v > 0) & (v <= _GH_MAX_STD ** 2)
+    z, w = (_const(a, mean) for a in _hermite(_GH_NODES))
+    if bool(small.all()):
+        a = mean[..., None] + v.sqrt()[..., None] * z
+        return [(f(a) * w).sum(-1) for f in fns]  # no matmul: not FLOPs
+    outs = [f(mean) for f in fns]  # v = 0
     if small.any():
-        z, w = (_const(a, mean) for a in _hermite(_GH_NODES))
         m, s = mean[small], v[small].sqrt()
-        out[small] = (full(m[:, None] + s[:, None] * z) * w).sum(-1)  # no matmul: not FLOPs
+        a = m[:, None] + s[:, None] * z
+        for f, out in zip(fns, outs, strict=True):
+            out[small] = (f(a) * w).sum(-1)
     large = v > _GH_MAX_STD ** 2
     if large.any():
         m, vl = mean[large], v[large]
-        out[large] = _kink_part(name, m, vl.sqrt()) + _half_line_part(name, m, vl)
-    return out
+        for name, out, rest in zip(names, outs, _half_line_parts(names, m, vl), strict=True):
+            out[large] = _kink_part(name, m, vl.sqrt()) + rest
+    return outs
 
 
 def _work_dtype(t: torch.Tensor) -> torch.dtype:
@@ -148,16 +174,17 @@ class _ExpectedSoftplus(torch.autograd.Function):
     def forward(ctx, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
         dtype = _work_dtype(mean)
         m, v = mean.to(dtype), var.to(dtype)
-        ctx.save_for_backward(m, v)
-        return _gaussian_expectation("softplus", m, v).to(mean.dtype)
+        if not ctx.needs_input_grad[0] and not ctx.needs_input_grad[1]:
+            return _gaussian_expectation("softplus", m, v).to(mean.dtype)
+        # the gradients' expectations at the same nodes, while they are at hand
+        value, d_mean, d_var = _gaussian_expectations(("softplus", "sigmoid", "dsigmoid"), m, v)
+        ctx.save_for_backward(d_mean.to(mean.dtype), (0.5 * d_var).to(var.dtype))
+        return value.to(mean.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        m, v = ctx.saved_tensors
-        g = grad.to(m.dtype)
-        dm = g * _gaussian_expectation("sigmoid", m, v)
-        dv = g * 0.5 * _gaussian_expectation("dsigmoid", m, v)
-        return dm.to(grad.dtype), dv.to(grad.dtype)
+        d_mean, d_var = ctx.saved_tensors
+        return grad * d_mean, grad * d_var
 
 
 def expected_softplus(mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:

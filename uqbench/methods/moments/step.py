@@ -1,0 +1,140 @@
+"""The training pass in one autograd node: the network's output moments and its KL together.
+
+A training step of the BNN takes the output moments of one moment pass and the KL of every
+weight and bias to the prior, then their gradients. Through autograd that is a few hundred small
+operations on tensors of a hundred rows, most of the step's time spent per operation, not per
+number. :func:`moments_and_kl` computes the same quantities in one :class:`torch.autograd.Function`
+whose backward is written out in closed form, sharing σ = softplus(ρ) between the moments and
+the KL and each activation's Φ and φ between its forward and backward:
+
+    linear   M = m Wᵀ + b̄          V = m² Σᵀ + v (W² + Σ)ᵀ + s_b      (Σ = σ_W², s_b = σ_b²)
+             ∂W = gMᵀ m + 2W ⊙ (gVᵀ v)     ∂Σ = gVᵀ (m² + v)     ∂b̄ = Σ_B gM     ∂s_b = Σ_B gV
+             ∂m = gM W + 2m ⊙ (gV Σ)       ∂v = gV (W² + Σ)
+             ∂ρ = ∂σ² · 2σ · sigmoid(ρ)     (σ = softplus(ρ))
+    Leaky-ReLU: :class:`~uqbench.methods.moments.activations._LeakyReLUMoments`' gradients
+    KL       Σ log p − log σ + (σ² + μ²)/(2p²) − ½:  ∂μ = μ/p²,  ∂σ = σ/p² − 1/σ
+
+The numbers are those of ``MomentSequential.forward_fused`` and ``MomentSequential.kl`` to
+rounding, gradients included (``tests/test_moments_step.py``); the BNN uses it for the diagonal
+pass's training loss (``training: moments``, ``fused: true``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from uqbench.methods.moments.fused import _leaky_relu_moments_fused
+from uqbench.methods.moments.layers import GaussianLinear, MomentLeakyReLU, MomentSequential
+
+
+def fusable(net: MomentSequential) -> bool:
+    """Whether ``net`` is a chain this pass knows: Gaussian linear layers and Leaky-ReLUs."""
+    return all(isinstance(m, (GaussianLinear, MomentLeakyReLU)) for m in net)
+
+
+class _MomentsAndKL(torch.autograd.Function):
+    """(x, *params) → output mean, output variance, KL; params: μ_W, ρ_W, μ_b, ρ_b of each
+    linear layer in order. ``plan``: per layer, ("linear", prior variance p²) or ("act", a)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, plan: tuple[tuple[str, float], ...],
+                *params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mean: torch.Tensor = x
+        var: torch.Tensor | None = None  # the data: deterministic
+        saved: list[Any] = []
+        sigmas: list[torch.Tensor] = []
+        kl = x.new_zeros(())
+        it = iter(params)
+        for kind, value in plan:
+            if kind == "act":
+                mean, var, keep = _leaky_relu_moments_fused(
+                    mean, torch.zeros_like(mean) if var is None else var, value, keep=True)
+                saved.append(keep)
+                continue
+            w, w_rho, b, b_rho = next(it), next(it), next(it), next(it)
+            w_sig, b_sig = F.softplus(w_rho), F.softplus(b_rho)
+            w_var, b_var = w_sig * w_sig, b_sig * b_sig
+            second = mean * mean
+            out_mean = F.linear(mean, w, b)
+            out_var = torch.addmm(b_var, second, w_var.T)
+            if var is not None:
+                out_var = torch.addmm(out_var, var, (w * w + w_var).T)
+            saved.append((mean, var, second, w_var))
+            sigmas += [w_sig, b_sig]
+            half_p2 = 0.5 / value
+            for mu, sig, var_q in ((w, w_sig, w_var), (b, b_sig, b_var)):
+                kl = kl + ((var_q + mu * mu) * half_p2 - torch.log(sig)).sum() \
+                    + mu.numel() * (0.5 * math.log(value) - 0.5)
+            mean, var = out_mean, out_var
+        ctx.plan, ctx.saved = plan, saved
+        ctx.save_for_backward(*params, *sigmas)
+        return mean, torch.zeros_like(mean) if var is None else var, kl
+
+    @staticmethod
+    def backward(ctx: Any, g_mean: torch.Tensor, g_var: torch.Tensor,
+                 g_kl: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        tensors = ctx.saved_tensors
+        n_params = sum(4 for kind, _ in ctx.plan if kind == "linear")
+        params, sigmas = tensors[:n_params], tensors[n_params:]
+        grads: list[torch.Tensor] = [torch.empty(0)] * n_params
+        layer = n_params // 4
+        for (kind, value), saved in zip(reversed(ctx.plan), reversed(ctx.saved), strict=True):
+            if kind == "act":  # _LeakyReLUMoments' gradients, in fewer passes
+                mean, s, cdf, pdf, e_pos, out_mean = saved
+                a = value
+                dm_dmu = cdf.mul(1 - a).add_(a)                       # a + (1−a)Φ
+                dv_dmu = (torch.rsub(dm_dmu, 1 + a).mul_(e_pos)       # E₊(1 − (1−a)Φ)
+                          .addcmul_(mean, cdf, value=-a).mul_(2 * (1 - a)))
+                ratio = pdf / s                                       # φ/s
+                dv_dv = cdf.mul(1 - a * a).add_(a * a).addcmul_(out_mean, ratio, value=a - 1)
+                g_mean, g_var = (dm_dmu.mul_(g_mean).addcmul_(g_var, dv_dmu),
+                                 ratio.mul_(g_mean).mul_(0.5 * (1 - a)).addcmul_(g_var, dv_dv))
+                continue
+            layer -= 1
+            w, w_rho, b, b_rho = params[4 * layer: 4 * layer + 4]
+            w_sig, b_sig = sigmas[2 * layer], sigmas[2 * layer + 1]
+            mean, var, second, w_var = saved
+            g_var_t = g_var.T
+            g_w = g_mean.T @ mean
+            g_w_var = g_var_t @ (second if var is None else second + var)
+            if var is not None:
+                g_w = g_w + 2 * w * (g_var_t @ var)
+            g_b, g_b_var = g_mean.sum(0), g_var.sum(0)
+            inv_p2 = 1.0 / value
+            # ∂/∂σ of the moments' σ² and of the KL, then through σ = softplus(ρ)
+            g_w_sig = 2 * w_sig * g_w_var + g_kl * (w_sig * inv_p2 - 1 / w_sig)
+            g_b_sig = 2 * b_sig * g_b_var + g_kl * (b_sig * inv_p2 - 1 / b_sig)
+            grads[4 * layer: 4 * layer + 4] = [
+                g_w + g_kl * inv_p2 * w, g_w_sig * torch.sigmoid(w_rho),
+                g_b + g_kl * inv_p2 * b, g_b_sig * torch.sigmoid(b_rho)]
+            if layer > 0 or ctx.needs_input_grad[0]:  # the data's gradient: when asked for
+                g_mean, g_var = (g_mean @ w + 2 * mean * (g_var @ w_var),
+                                 g_var @ (w * w + w_var) if var is not None else g_var)
+        return (g_mean if ctx.needs_input_grad[0] else None, None, *grads)
+
+
+def moments_and_kl(net: MomentSequential, x: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The output mean and variance of ``net``'s fused moment pass for deterministic inputs
+    x (B, in), and ``net.kl()``, as one autograd node (the module docstring's closed forms).
+    ``net`` must be :func:`fusable`: its layers Gaussian linear and Leaky-ReLU, the last linear."""
+    plan: list[tuple[str, float]] = []
+    params: list[torch.Tensor] = []
+    for m in net:
+        if isinstance(m, GaussianLinear):
+            plan.append(("linear", m.prior_std ** 2))
+            params += [m.weight_mu, m.weight_rho, m.bias_mu, m.bias_rho]
+        elif isinstance(m, MomentLeakyReLU):
+            plan.append(("act", m.slope))
+        else:
+            raise ValueError(f"moments_and_kl takes GaussianLinear and MomentLeakyReLU layers, "
+                             f"got {type(m).__name__}")
+    if not plan or plan[0][0] != "linear" or plan[-1][0] != "linear":
+        raise ValueError("moments_and_kl needs a chain that starts and ends with a "
+                         "GaussianLinear layer")
+    mean, var, kl = _MomentsAndKL.apply(x, tuple(plan), *params)
+    return mean, var, kl
