@@ -110,15 +110,29 @@ def _half_line_parts(names: tuple[str, ...], m: torch.Tensor,
     lower = (p - math.sqrt(_TAIL) * s).clamp_min(0)
     t, w = (_const(a, m) for a in _legendre_panels(_PANELS, _PANEL_NODES))
     width = (upper - lower)[:, None]
-    u = lower[:, None] + width * t                                   # (N, K)
-    pdf = lambda c: torch.exp(-0.5 * ((u - c[:, None]) / s[:, None]) ** 2)  # noqa: E731
+    u = torch.addcmul(lower[:, None], width, t)                      # (N, K)
+    inv_s = (1 / s)[:, None]
+
+    def pdf(c: torch.Tensor) -> torch.Tensor:  # exp(−½((u − c)/s)²), in place after the first
+        return torch.sub(u, c[:, None]).mul_(inv_s).square_().mul_(-0.5).exp_()
     left, right = pdf(-m), pdf(m)
     scale = width[:, 0] / (s * _SQRT_2PI)
+    halves = _halves(names, u)
     outs = []
     for name in names:
-        _, half, sign = _INTEGRANDS[name]
-        outs.append((half(u) * (left + sign * right) * w).sum(-1) * scale)
+        weight = left + right if _INTEGRANDS[name][2] > 0 else left - right
+        outs.append(halves[name].mul_(weight).mul_(w).sum(-1).mul_(scale))
     return outs
+
+
+def _halves(names: tuple[str, ...], u: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The half-line remainders of ``names`` at u ≥ 0, from one e = e^{−u}: log1p(e) (softplus),
+    σ(−u) = e/(1 + e) (sigmoid), σ(u)σ(−u) = e/(1 + e)² (σ')."""
+    e = torch.exp(-u)
+    d = 1 + e
+    sig = e / d
+    found = {"softplus": torch.log1p(e), "sigmoid": sig, "dsigmoid": sig / d}
+    return {name: found[name] for name in names}
 
 
 def _gaussian_expectation(name: str, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
@@ -134,8 +148,8 @@ def _gaussian_expectations(names: tuple[str, ...], mean: torch.Tensor,
     s ≤ 1: Gauss–Hermite in the standardised variable; s > 1: closed-form kink part plus the
     half-line remainder (:func:`_half_line_part`); v = 0: f(mean) exactly. Each element is
     computed by one rule only (no work, and no inf/nan, in the branch it does not take); when
-    every element takes the Gauss–Hermite rule (the usual case in training) it is applied to
-    the whole tensor without selecting.
+    every element takes the same rule (the usual case in training) it is applied to the whole
+    tensor without selecting.
     """
     fns = [_INTEGRANDS[name][0] for name in names]
     v = var.clamp_min(0)
@@ -144,6 +158,9 @@ def _gaussian_expectations(names: tuple[str, ...], mean: torch.Tensor,
     if bool(small.all()):
         a = mean[..., None] + v.sqrt()[..., None] * z
         return [(f(a) * w).sum(-1) for f in fns]  # no matmul: not FLOPs
+    if bool((v > _GH_MAX_STD ** 2).all()):  # every element by the kink split, no selecting
+        return [_kink_part(name, mean, v.sqrt()) + rest
+                for name, rest in zip(names, _half_line_parts(names, mean, v), strict=True)]
     outs = [f(mean) for f in fns]  # v = 0
     if small.any():
         m, s = mean[small], v[small].sqrt()
