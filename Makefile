@@ -160,14 +160,16 @@ P2_EXPERIMENTS := p2_width_sweep p2_diabetes p2_calibrated p2_rho_sensitivity p2
 
 .PHONY: p2
 p2: $(STAMP)  ## P2's result experiments (width sweep, diabetes, calibrated, rho_0, depth, claims under 10 setups) and their tables
-	for e in $(P2_EXPERIMENTS); do $(BIN)/uqbench experiment=$$e $(P2_SWEEP) || exit 1; done
+	for e in $(P2_EXPERIMENTS) p2_depth_full; do \
+		$(BIN)/uqbench experiment=$$e $(P2_SWEEP) || exit 1; done
 	$(MAKE) --no-print-directory p2-depth-full
 	for e in $(P2_EXPERIMENTS); do $(BIN)/uqbench-tables --experiment $$e --quiet || exit 1; done
 
-# p2_depth's networks scored again with the full covariance between units (the same weights,
-# another inference: <run>/eval/polynomial,method.covariance=full/), rows of its table
+# p2_depth's diagonal-trained networks scored again with the full covariance between units
+# (the same weights, another inference: <run>/eval/polynomial,method.covariance=full/), rows
+# of its table beside p2_depth_full's networks trained with it
 .PHONY: p2-depth-full
-p2-depth-full: $(STAMP)  ## Score every p2_depth run with method.covariance=full too (make p2 runs it)
-	for r in $${UQBENCH_RUNS:-runs}/p2_depth/polynomial/*/*/seed*/; do \
+p2-depth-full: $(STAMP)  ## Score every diagonal-trained p2_depth run with method.covariance=full too (make p2 runs it)
+	for r in $${UQBENCH_RUNS:-runs}/p2_depth/polynomial/bnn_{embedded,learned}/*/seed*/; do \
 		$(BIN)/uqbench job=eval eval_run=$$r method.covariance=full skip_existing=true \
 			|| exit 1; done

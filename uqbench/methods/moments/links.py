@@ -147,9 +147,10 @@ def _gaussian_expectations(names: tuple[str, ...], mean: torch.Tensor,
 
     s ≤ 1: Gauss–Hermite in the standardised variable; s > 1: closed-form kink part plus the
     half-line remainder (:func:`_half_line_part`); v = 0: f(mean) exactly. Each element is
-    computed by one rule only (no work, and no inf/nan, in the branch it does not take); when
-    every element takes the same rule (the usual case in training) it is applied to the whole
-    tensor without selecting.
+    computed by one rule only (no work, and no inf/nan, in the branch it does not take). Without
+    selecting (a training batch): every s ≤ 1 takes Gauss–Hermite; otherwise, when every v > 0,
+    every element takes the kink split, which for s ≤ 1 agrees with Gauss–Hermite to ~4e-13
+    relative (|m| ≤ 50, v down to 1e-6).
     """
     fns = [_INTEGRANDS[name][0] for name in names]
     v = var.clamp_min(0)
@@ -158,7 +159,7 @@ def _gaussian_expectations(names: tuple[str, ...], mean: torch.Tensor,
     if bool(small.all()):
         a = mean[..., None] + v.sqrt()[..., None] * z
         return [(f(a) * w).sum(-1) for f in fns]  # no matmul: not FLOPs
-    if bool((v > _GH_MAX_STD ** 2).all()):  # every element by the kink split, no selecting
+    if bool((v > 0).all()):  # every element by the kink split, no selecting
         return [_kink_part(name, mean, v.sqrt()) + rest
                 for name, rest in zip(names, _half_line_parts(names, mean, v), strict=True)]
     outs = [f(mean) for f in fns]  # v = 0
