@@ -72,5 +72,8 @@ def test_a_chain_it_cannot_take_is_refused_by_name():
     with pytest.raises(ValueError, match="GaussianLinear and MomentLeakyReLU layers, got "
                                          "Identity"):
         moments_and_kl(net, torch.zeros(2, 1))
+    ends_in_activation = MomentSequential(GaussianLinear(1, 4), Other())
+    assert not fusable(ends_in_activation)
     with pytest.raises(ValueError, match="starts and ends with a GaussianLinear"):
-        moments_and_kl(MomentSequential(GaussianLinear(1, 4), Other()), torch.zeros(2, 1))
+        moments_and_kl(ends_in_activation, torch.zeros(2, 1))
+    assert fusable(MomentSequential(GaussianLinear(1, 4), Other(), GaussianLinear(4, 1)))

@@ -32,8 +32,12 @@ from uqbench.methods.moments.layers import GaussianLinear, MomentLeakyReLU, Mome
 
 
 def fusable(net: MomentSequential) -> bool:
-    """Whether ``net`` is a chain this pass knows: Gaussian linear layers and Leaky-ReLUs."""
-    return all(isinstance(m, (GaussianLinear, MomentLeakyReLU)) for m in net)
+    """Whether ``net`` is a chain this pass knows: Gaussian linear layers and Leaky-ReLUs,
+    the first and the last layer linear."""
+    layers = list(net)
+    return (bool(layers) and isinstance(layers[0], GaussianLinear)
+            and isinstance(layers[-1], GaussianLinear)
+            and all(isinstance(m, (GaussianLinear, MomentLeakyReLU)) for m in layers))
 
 
 class _MomentsAndKL(torch.autograd.Function):
