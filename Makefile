@@ -167,9 +167,10 @@ p2: $(STAMP)  ## P2's result experiments (width sweep, diabetes, calibrated, rho
 
 # p2_depth's diagonal-trained networks scored again with the full covariance between units
 # (the same weights, another inference: <run>/eval/polynomial,method.covariance=full/), rows
-# of its table beside p2_depth_full's networks trained with it
+# of its table beside p2_depth_full's networks trained with it; one multirun, one process
 .PHONY: p2-depth-full
 p2-depth-full: $(STAMP)  ## Score every diagonal-trained p2_depth run with method.covariance=full too (make p2 runs it)
-	for r in $${UQBENCH_RUNS:-runs}/p2_depth/polynomial/bnn_{embedded,learned}/*/seed*/; do \
-		$(BIN)/uqbench job=eval eval_run=$$r method.covariance=full skip_existing=true \
-			|| exit 1; done
+	shopt -s nullglob; runs=($${UQBENCH_RUNS:-runs}/p2_depth/polynomial/bnn_{embedded,learned}/*/seed*/); \
+	if [ $${#runs[@]} -eq 0 ]; then echo "no p2_depth runs to score: run make p2 first"; exit 1; fi; \
+	$(BIN)/uqbench -m job=eval "eval_run=$$(IFS=,; echo "$${runs[*]}")" method.covariance=full \
+		skip_existing=true
