@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from uqbench.configs import group_options
 from uqbench.report.building import has_path
-from uqbench.report.validation import check_results
+from uqbench.report.validation import check_results, with_defaults
 from uqbench.runner.cli import run
 
 EXPERIMENTS = group_options("experiment")
@@ -77,8 +77,11 @@ def tiny_results(cfg, tmp_path_factory, one_thread) -> dict[str, dict]:
 
 
 def test_every_figure_key_is_one_a_real_run_writes(specs, tiny_results):
+    """... or a row key with a ``default``, which the tables fill in as they read the run
+    (``job``: a training run's results have none)."""
     for exp, (spec, _) in specs.items():
-        results = tiny_results["classification" if exp.startswith("p1_") else "regression"]
+        results = with_defaults(
+            tiny_results["classification" if exp.startswith("p1_") else "regression"], spec)
         for name, figure in _figures(spec).items():
             keys = [figure.get("x"), *(figure.get("y") or []), *(figure.get("series") or [])]
             for group in ("hue", "facet"):
