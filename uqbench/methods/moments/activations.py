@@ -60,14 +60,23 @@ class _LeakyReLUMoments(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_mean: torch.Tensor, grad_var: torch.Tensor):
-        mean, s, cdf, pdf, e_pos, out_mean = ctx.saved_tensors
-        a = ctx.a
-        dm_dmu = a + (1 - a) * cdf
-        dm_dv = (1 - a) * pdf / (2 * s)
-        dv_dmu = 2 * (1 - a) * (e_pos * (1 - (1 - a) * cdf) - a * mean * cdf)
-        dv_dv = a * a + (1 - a * a) * cdf - (1 - a) * out_mean * pdf / s
-        return (grad_mean * dm_dmu + grad_var * dv_dmu,
-                grad_mean * dm_dv + grad_var * dv_dv, None)
+        return (*leaky_relu_moments_vjp(ctx.saved_tensors, ctx.a, grad_mean, grad_var), None)
+
+
+def leaky_relu_moments_vjp(saved: tuple[torch.Tensor, ...], a: float, grad_mean: torch.Tensor,
+                           grad_var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of the loss with respect to the input mean and variance, from those with
+    respect to the output's and the six tensors the forward keeps (mean, s, Φ(t), φ(t), E₊, the
+    output mean): :class:`_LeakyReLUMoments`' closed forms, in few passes (in place on its own
+    temporaries)."""
+    mean, s, cdf, pdf, e_pos, out_mean = saved
+    dm_dmu = cdf.mul(1 - a).add_(a)                                      # a + (1−a)Φ
+    dv_dmu = (torch.rsub(dm_dmu, 1 + a).mul_(e_pos)                      # E₊(1 − (1−a)Φ)
+              .addcmul_(mean, cdf, value=-a).mul_(2 * (1 - a)))
+    ratio = pdf / s                                                      # φ/s
+    dv_dv = cdf.mul(1 - a * a).add_(a * a).addcmul_(out_mean, ratio, value=a - 1)
+    return (dm_dmu.mul_(grad_mean).addcmul_(grad_var, dv_dmu),
+            ratio.mul_(grad_mean).mul_(0.5 * (1 - a)).addcmul_(grad_var, dv_dv))  # dm_dv·g + …
 
 
 def leaky_relu_moments(mean: torch.Tensor, var: torch.Tensor,

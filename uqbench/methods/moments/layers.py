@@ -62,6 +62,12 @@ class MomentModule(nn.Module):
 PRIORS = ("fixed", "fan_in")
 
 
+def normal_kl(mu: torch.Tensor, sigma: torch.Tensor, prior_std: float) -> torch.Tensor:
+    """KL(N(μ, σ²) ‖ N(0, prior_std²)) summed over the entries of μ and σ."""
+    return (math.log(prior_std) - torch.log(sigma)
+            + (sigma ** 2 + mu ** 2) / (2 * prior_std ** 2) - 0.5).sum()
+
+
 class _GaussianParams(MomentModule):
     """Mean-field Gaussian weight and bias: μ and ρ per entry, σ = softplus(ρ).
 
@@ -96,13 +102,8 @@ class _GaussianParams(MomentModule):
     def kl(self) -> torch.Tensor:
         """KL(q ‖ N(0, prior_std²)) summed over every weight and bias (prior_std: this
         layer's, after any fan-in scaling)."""
-        total = torch.zeros((), device=self.weight_mu.device)
-        p2 = self.prior_std ** 2
-        for mu, rho in ((self.weight_mu, self.weight_rho), (self.bias_mu, self.bias_rho)):
-            sigma = F.softplus(rho)
-            total = total + (math.log(self.prior_std) - torch.log(sigma)
-                             + (sigma ** 2 + mu ** 2) / (2 * p2) - 0.5).sum()
-        return total
+        return (normal_kl(self.weight_mu, F.softplus(self.weight_rho), self.prior_std)
+                + normal_kl(self.bias_mu, F.softplus(self.bias_rho), self.prior_std))
 
     def sample(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """n independent draws of (weight, bias): shapes (n, *weight_shape), (n, out)."""

@@ -11,7 +11,7 @@ the KL and each activation's Φ and φ between its forward and backward:
              ∂W = gMᵀ m + 2W ⊙ (gVᵀ v)     ∂Σ = gVᵀ (m² + v)     ∂b̄ = Σ_B gM     ∂s_b = Σ_B gV
              ∂m = gM W + 2m ⊙ (gV Σ)       ∂v = gV (W² + Σ)
              ∂ρ = ∂σ² · 2σ · sigmoid(ρ)     (σ = softplus(ρ))
-    Leaky-ReLU: :class:`~uqbench.methods.moments.activations._LeakyReLUMoments`' gradients
+    Leaky-ReLU: :func:`~uqbench.methods.moments.activations.leaky_relu_moments_vjp`
     KL       Σ log p − log σ + (σ² + μ²)/(2p²) − ½:  ∂μ = μ/p²,  ∂σ = σ/p² − 1/σ
 
 The numbers are those of ``MomentSequential.forward_fused`` and ``MomentSequential.kl`` to
@@ -21,14 +21,19 @@ pass's training loss (``training: moments``, ``fused: true``).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from uqbench.methods.moments.activations import leaky_relu_moments_vjp
 from uqbench.methods.moments.fused import _leaky_relu_moments_fused
-from uqbench.methods.moments.layers import GaussianLinear, MomentLeakyReLU, MomentSequential
+from uqbench.methods.moments.layers import (
+    GaussianLinear,
+    MomentLeakyReLU,
+    MomentSequential,
+    normal_kl,
+)
 
 
 def fusable(net: MomentSequential) -> bool:
@@ -42,7 +47,7 @@ def fusable(net: MomentSequential) -> bool:
 
 class _MomentsAndKL(torch.autograd.Function):
     """(x, *params) → output mean, output variance, KL; params: μ_W, ρ_W, μ_b, ρ_b of each
-    linear layer in order. ``plan``: per layer, ("linear", prior variance p²) or ("act", a)."""
+    linear layer in order. ``plan``: per layer, ("linear", prior std p) or ("act", a)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, plan: tuple[tuple[str, float], ...],
@@ -69,10 +74,7 @@ class _MomentsAndKL(torch.autograd.Function):
                 out_var = torch.addmm(out_var, var, (w * w + w_var).T)
             saved.append((mean, var, second, w_var))
             sigmas += [w_sig, b_sig]
-            half_p2 = 0.5 / value
-            for mu, sig, var_q in ((w, w_sig, w_var), (b, b_sig, b_var)):
-                kl = kl + ((var_q + mu * mu) * half_p2 - torch.log(sig)).sum() \
-                    + mu.numel() * (0.5 * math.log(value) - 0.5)
+            kl = kl + normal_kl(w, w_sig, value) + normal_kl(b, b_sig, value)
             mean, var = out_mean, out_var
         ctx.plan, ctx.saved = plan, saved
         ctx.save_for_backward(*params, *sigmas)
@@ -87,16 +89,8 @@ class _MomentsAndKL(torch.autograd.Function):
         grads: list[torch.Tensor] = [torch.empty(0)] * n_params
         layer = n_params // 4
         for (kind, value), saved in zip(reversed(ctx.plan), reversed(ctx.saved), strict=True):
-            if kind == "act":  # _LeakyReLUMoments' gradients, in fewer passes
-                mean, s, cdf, pdf, e_pos, out_mean = saved
-                a = value
-                dm_dmu = cdf.mul(1 - a).add_(a)                       # a + (1−a)Φ
-                dv_dmu = (torch.rsub(dm_dmu, 1 + a).mul_(e_pos)       # E₊(1 − (1−a)Φ)
-                          .addcmul_(mean, cdf, value=-a).mul_(2 * (1 - a)))
-                ratio = pdf / s                                       # φ/s
-                dv_dv = cdf.mul(1 - a * a).add_(a * a).addcmul_(out_mean, ratio, value=a - 1)
-                g_mean, g_var = (dm_dmu.mul_(g_mean).addcmul_(g_var, dv_dmu),
-                                 ratio.mul_(g_mean).mul_(0.5 * (1 - a)).addcmul_(g_var, dv_dv))
+            if kind == "act":
+                g_mean, g_var = leaky_relu_moments_vjp(saved, value, g_mean, g_var)
                 continue
             layer -= 1
             w, w_rho, b, b_rho = params[4 * layer: 4 * layer + 4]
@@ -108,7 +102,7 @@ class _MomentsAndKL(torch.autograd.Function):
             if var is not None:
                 g_w = g_w + 2 * w * (g_var_t @ var)
             g_b, g_b_var = g_mean.sum(0), g_var.sum(0)
-            inv_p2 = 1.0 / value
+            inv_p2 = 1.0 / value ** 2
             # ∂/∂σ of the moments' σ² and of the KL, then through σ = softplus(ρ)
             g_w_sig = 2 * w_sig * g_w_var + g_kl * (w_sig * inv_p2 - 1 / w_sig)
             g_b_sig = 2 * b_sig * g_b_var + g_kl * (b_sig * inv_p2 - 1 / b_sig)
@@ -141,7 +135,7 @@ def moments_and_kl(net: MomentSequential, x: torch.Tensor
     params: list[torch.Tensor] = []
     for m in net:
         if isinstance(m, GaussianLinear):
-            plan.append(("linear", m.prior_std ** 2))
+            plan.append(("linear", m.prior_std))
             params += [m.weight_mu, m.weight_rho, m.bias_mu, m.bias_rho]
         elif isinstance(m, MomentLeakyReLU):
             plan.append(("act", m.slope))
