@@ -39,7 +39,8 @@ claim,measurement,value,seeds,verdict
 "Width 4: embedded better, ID",learned − embedded,0.014 ± 0.008,3,holds
 About 34 % more parameters,learned / embedded − 1,+33.4%,3,holds
 """
-BENCH = [{"figure": "pass / forward, 1→64", "ours": 5.5712, "unit": "×"},
+BENCH = [{"figure": "pass / forward, 1→64", "ours": 5.5712, "unit": "×",
+          "ours_interval": [5.2049, 6.0151]},
          {"figure": "Var error, tails 3 < |μ/σ| ≤ 40: ours", "ours": 0.2771, "unit": "%"}]
 TABLE_MD = """\
 ## First
@@ -63,14 +64,15 @@ PAGE = """\
 Learned: <!-- n: sweep.csv | width=4, variance=learned | test NLL | .3f -->?<!-- /n -->,
 width 8: <!-- n: sweep.csv | width=8, variance=learned | test NLL | .3f -->?<!-- /n -->, which
 <!-- n: claims.csv | claim="Width 4: embedded better, ID" | verdict -->?<!-- /n -->;
-costs <!-- n: bench.json | figure="pass / forward, 1→64" | ours | .2f -->?<!-- /n -->×.
+costs <!-- n: bench.json | figure="pass / forward, 1→64" | ours | .2f -->?<!-- /n -->×
+<!-- n: bench.json | figure="pass / forward, 1→64" | ours_interval | .2f -->?<!-- /n -->.
 
 <!-- table: table.md | Second -->
 <!-- /table -->
 
 `<!-- n: sweep.csv | width=99 | nothing -->example<!-- /n -->`
 """
-RENDERED_NUMBERS = ["0.049 ± 0.004", "0.023", "holds", "5.57"]
+RENDERED_NUMBERS = ["0.049 ± 0.004", "0.023", "holds", "5.57", "[5.20, 6.02]"]
 RENDERED_BLOCK = "<!-- table: table.md | Second -->\n\n| c |\n|---|\n| 3 |\n\n<!-- /table -->"
 
 

@@ -1,14 +1,15 @@
 """Moment propagation against a plain forward, Monte Carlo and fastbnns (`make bench`).
 
 Figures, each on a Leaky-ReLU(0.1) MLP at batch 1024, float32, inference (except the training
-step):
+step), timed on one CPU thread:
 - one moment-propagation pass / one plain forward of the same network (nn.Linear +
   nn.LeakyReLU, the weight means), for 1→64→64→1 and 1→1024→1; the anchor is fastbnns on the
   same network: its analytic Leaky-ReLU propagator and its default (unscented) one;
 - Monte Carlo inference with S = 10, 100, 1000 weight draws / one moment pass, with fastbnns'
-  Monte Carlo propagator as the anchor;
-- P2's training step (moment pass, ELBO, backward, Adam; batch 100, one thread) / a plain
-  MLP's Gaussian-NLL step of the same width, both variances, widths 4, 64 and 1024;
+  Monte Carlo propagator as the anchor at S = 10 and 100;
+- P2's training step (moment pass, ELBO, backward, Adam; batch 100; timed where 300 training
+  steps took the model, held there) / a plain MLP's Gaussian-NLL step of the same width, both
+  variances, widths 4, 64 and 1024;
 - accuracy: the variance error of each inference against a 2·10⁵-draw Monte Carlo reference,
   for one Leaky-ReLU unit across μ/σ from −40 to 40 (body |μ/σ| ≤ 3, tails beyond) and for the
   1→64→64→1 network's predictive σ.
@@ -28,7 +29,7 @@ from torch import nn
 
 from uqbench.backbones.mlp import MLP
 from uqbench.bench.report import Record
-from uqbench.bench.timing import side_by_side
+from uqbench.bench.timing import ROUNDS, Measured, one_thread, side_by_side
 from uqbench.contracts import DataInfo
 from uqbench.methods.bnn import BayesianMLP
 from uqbench.methods.moments.activations import leaky_relu_moments
@@ -36,10 +37,13 @@ from uqbench.methods.moments.layers import GaussianLinear
 
 SLOPE = 0.1
 NETS = {"1→64→64→1": (64, 2), "1→1024→1": (1024, 1)}
-SECTION_SPEED = "Moment propagation: speed (Leaky-ReLU MLP, batch 1024, inference)"
+SECTION_SPEED = "Moment propagation: speed (Leaky-ReLU MLP, batch 1024, inference, one thread)"
 SECTION_STEP = "P2 training step against a plain MLP's (batch 100, one thread)"
 STEP_WIDTHS = (4, 64, 1024)  # P2's narrowest, middle and widest hidden layers
 STEP_TARGET = 3.0            # BNN step / plain step: the goal for both variances
+SETTLE_STEPS = 300           # training steps before the timed ones (which then hold still)
+FAST_ROUNDS = 10             # rounds of the figures whose calls take milliseconds
+MC_ANCHORED = (10, 100)    # fastbnns' Monte Carlo is timed at these S
 SECTION_ACCURACY = "Moment propagation vs Monte Carlo: accuracy (variance error vs 2·10⁵ draws)"
 
 
@@ -112,10 +116,13 @@ def fastbnns_models(plain: nn.Sequential) -> dict[str, Callable[[torch.Tensor], 
 
 def speed(device: torch.device, repeats: int, batch: int = 1024, quick: bool = False
           ) -> list[Record]:
-    """The speed figures for both networks."""
+    """The speed figures for both networks, on one CPU thread: at two, the plain forward's
+    own time differs up to 2× from one process to the next (the same 1→1024→1 forward took
+    0.47 ms in one run and 1.2 ms in the next), and every ratio over it with it."""
     records: list[Record] = []
-    for label, (width, depth) in ({"1→8→8→1": (8, 2)} if quick else NETS).items():
-        records += _speed_one(label, width, depth, device, repeats, batch, quick)
+    with one_thread(device):
+        for label, (width, depth) in ({"1→8→8→1": (8, 2)} if quick else NETS).items():
+            records += _speed_one(label, width, depth, device, repeats, batch, quick)
     return records
 
 
@@ -135,7 +142,7 @@ def _speed_one(label: str, width: int, depth: int, device: torch.device, repeats
     if anchors is not None:
         fns.update({k: functools.partial(anchors[k], x) for k in ("analytic", "unscented")})
     with torch.no_grad():
-        t = side_by_side(fns, device, repeats=repeats, warmup=3)
+        t = side_by_side(fns, device, repeats=repeats, warmup=3, rounds=FAST_ROUNDS)
     ratio = {k: v / t["plain"] for k, v in t.items()}
     skipped = "fastbnns not installed: anchor skipped" if anchors is None else ""
     return [
@@ -144,7 +151,7 @@ def _speed_one(label: str, width: int, depth: int, device: torch.device, repeats
                target=None if anchors is None else ratio["analytic"] / 3,
                target_rule="fastbnns analytic / 3", section=SECTION_SPEED,
                note=skipped or f"method.compile: true (compile time excluded); plain forward "
-                                f"{t['plain'] * 1e3:.3g} ms"),
+                                f"{_ms(t['plain'])}"),
         Record(f"moment pass / plain forward, {label} (vs unscented)", ratio["ours"], "×", dev,
                anchor="fastbnns unscented", anchor_value=ratio.get("unscented"),
                section=SECTION_SPEED, note=skipped),
@@ -153,26 +160,37 @@ def _speed_one(label: str, width: int, depth: int, device: torch.device, repeats
                note="method.fused: true, method.compile: false"),
         Record(f"moment pass / plain forward, {label}, reference layers", ratio["reference"],
                "×", dev, section=SECTION_SPEED, note="method.fused: false"),
-        *mc_speed(bnn, x, anchors, label, device, max(3, repeats // 4), quick)]
+        *mc_speed(bnn, x, anchors, label, device, quick)]
+
+
+def _ms(t: Measured) -> str:
+    """A time in ms with its range over the rounds."""
+    low, high = t.interval
+    return f"{t * 1e3:.3g} ms [{low * 1e3:.3g}, {high * 1e3:.3g}]"
 
 
 def mc_speed(bnn: BayesianMLP, x: torch.Tensor, anchors: dict | None, label: str,
-             device: torch.device, repeats: int, quick: bool) -> list[Record]:
-    """Monte Carlo inference with S draws / one moment pass, ours and fastbnns'."""
+             device: torch.device, quick: bool) -> list[Record]:
+    """Monte Carlo inference with S draws / one moment pass, ours and fastbnns' (at S ≤ 100:
+    its Monte Carlo draws in a Python loop, one call at S = 1000 takes seconds to tens of
+    seconds, and S = 10 and 100 already give its ratio). One call per round: no target."""
     records = []
     ours = moment_pass(bnn)  # compiled: the figure above
     for s in (10, 100) if quick else (10, 100, 1000):
+        anchored = anchors is not None and s in MC_ANCHORED
         fns: dict[str, Callable[[], object]] = {
             "moments": functools.partial(ours, x), "mc": functools.partial(bnn._draws, x, s)}
-        if anchors:
+        if anchors is not None and anchored:
             fns["anchor"] = functools.partial(anchors[f"mc{s}"], x)
         with torch.no_grad():
-            t = side_by_side(fns, device, repeats=repeats, warmup=1)
+            t = side_by_side(fns, device, repeats=ROUNDS, warmup=1)
+        note = ("fastbnns not installed" if anchors is None else "" if anchored else
+                f"fastbnns at S ≤ {max(MC_ANCHORED)} only (one call takes seconds here)")
         records.append(Record(
             f"Monte Carlo S = {s} / moment pass, {label}", t["mc"] / t["moments"], "×",
-            str(device), anchor=f"fastbnns Monte Carlo S = {s}",
-            anchor_value=t["anchor"] / t["moments"] if anchors else None,
-            section=SECTION_SPEED, note="" if anchors else "fastbnns not installed"))
+            str(device), anchor=f"fastbnns Monte Carlo S = {s}" if anchored else None,
+            anchor_value=t["anchor"] / t["moments"] if anchored else None,
+            section=SECTION_SPEED, note=note))
     return records
 
 
@@ -249,15 +267,26 @@ def network_accuracy(device: torch.device, reference: int = 200_000, inputs: int
             for name, err in errors.items()]
 
 
-def _stepper(model: nn.Module, loss: Callable[[], torch.Tensor]) -> Callable[[], None]:
+def _stepper(model: nn.Module, loss: Callable[[], torch.Tensor], settle: int = 0
+             ) -> Callable[[], None]:
     """One optimiser step as the runner takes it: Adam (the trainer's default, lr 1e-2,
-    foreach), zeroed gradients, the loss's backward."""
+    foreach), zeroed gradients, the loss's backward. ``settle`` > 0: first that many steps
+    train the model, then the learning rate is set to 0, so that every timed step computes
+    the same thing (Adam's arithmetic included) where training took the model; the learned
+    head's expectation takes a different path once the predicted variance leaves the
+    Gauss–Hermite range, and steps that kept training drift from one path to the other
+    within the measurement (2.5× → 3.5× a plain step over 200 steps at width 4)."""
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
         loss().backward()
         opt.step()
+    if settle:
+        for _ in range(settle):
+            step()
+        for group in opt.param_groups:
+            group["lr"] = 0.0
     return step
 
 
@@ -265,21 +294,20 @@ def training_step(device: torch.device, repeats: int, quick: bool = False) -> li
     """P2's training step (the ELBO's moments by one moment pass, its backward and Adam) over
     a plain MLP's Gaussian-NLL step of the same width (1→width→2, mean and softplus variance),
     batch 100 as P2's, on one CPU thread as P2's runs; both variances, side by side."""
-    dev, threads = str(device), torch.get_num_threads()
+    dev, settle = str(device), 20 if quick else SETTLE_STEPS
     batch = 100
     x = torch.linspace(-1.5, 1.5, batch, device=device).unsqueeze(1)
     y = x ** 3 - x
     info = DataInfo("regression", in_dim=1, out_dim=1, num_train_batches=20)
     records = []
-    torch.set_num_threads(1)
-    try:
+    with one_thread(device):
         for width in (4, 16) if quick else STEP_WIDTHS:
             fns: dict[str, Callable[[], object]] = {}
             for variance in ("embedded", "learned"):
                 torch.manual_seed(0)
                 bnn = BayesianMLP(MLP(width=width, depth=1, slope=SLOPE), info,
                                   variance=variance).to(device).train()
-                fns[variance] = _stepper(bnn, functools.partial(bnn.loss, (x, y)))
+                fns[variance] = _stepper(bnn, functools.partial(bnn.loss, (x, y)), settle)
             torch.manual_seed(0)
             plain = nn.Sequential(nn.Linear(1, width), nn.LeakyReLU(SLOPE),
                                   nn.Linear(width, 2)).to(device)
@@ -288,24 +316,32 @@ def training_step(device: torch.device, repeats: int, quick: bool = False) -> li
                 out = plain(x)
                 return F.gaussian_nll_loss(out[:, :1], y, F.softplus(out[:, 1:]), full=True,
                                            eps=1e-8, reduction="sum")
-            fns["plain"] = _stepper(plain, plain_loss)
-            t = side_by_side(fns, device, repeats=repeats, warmup=10)
+            fns["plain"] = _stepper(plain, plain_loss, settle)
+            t = side_by_side(fns, device, repeats=repeats, warmup=10, rounds=FAST_ROUNDS)
             for variance in ("embedded", "learned"):
                 records.append(Record(
                     f"P2 training step / plain MLP step, 1→{width}→1, {variance}",
                     t[variance] / t["plain"], "×", dev, target=STEP_TARGET,
                     target_rule="P2's step goal", section=SECTION_STEP,
-                    note=f"batch {batch}, 1 thread, Adam; plain step "
-                         f"{t['plain'] * 1e3:.3g} ms"))
-    finally:
-        torch.set_num_threads(threads)
+                    note=f"batch {batch}, 1 thread, Adam; timed after {settle} training "
+                         f"steps, held there; plain step {_ms(t['plain'])}"))
     return records
 
 
-def run(device: torch.device, repeats: int, quick: bool = False) -> list[Record]:
+def run(device: torch.device, repeats: int, quick: bool = False,
+        done: Callable[[list[Record]], None] = lambda rows: None) -> list[Record]:
+    """Every figure of this part; ``done`` is called with each group's rows as they are
+    measured (the caller writes them, so a crash keeps them and the log shows the time)."""
     reference = 20_000 if quick else 200_000
-    return (speed(device, repeats, batch=64 if quick else 1024, quick=quick)
-            + training_step(device, repeats=4 * repeats, quick=quick)
-            + unit_accuracy(device, reference=reference, trials=5 if quick else 20)
-            + network_accuracy(device, reference=reference, inputs=16 if quick else 64,
-                               quick=quick))
+    groups: list[Callable[[], list[Record]]] = [
+        lambda: speed(device, repeats, batch=64 if quick else 1024, quick=quick),
+        lambda: training_step(device, repeats=4 * repeats, quick=quick),
+        lambda: unit_accuracy(device, reference=reference, trials=5 if quick else 20),
+        lambda: network_accuracy(device, reference=reference, inputs=16 if quick else 64,
+                                 quick=quick)]
+    records: list[Record] = []
+    for group in groups:
+        rows = group()
+        records += rows
+        done(rows)
+    return records

@@ -38,6 +38,11 @@ def interval(value: float | None) -> tuple[float, float] | None:
     return (min(rounds), max(rounds)) if rounds else (float(value), float(value))
 
 
+def _rounds(value: float | None) -> list[float] | None:
+    rounds = getattr(value, "rounds", None)
+    return list(rounds) if rounds else None
+
+
 def verdict(ours: float | None, target: float | None) -> str | None:
     """met | missed | unclear by :data:`VERDICT_RULE`; None without a target or a finite
     figure."""
@@ -82,13 +87,15 @@ class Record:
         return {"met": True, "missed": False}.get(self.verdict or "")
 
     def to_json(self) -> dict[str, Any]:
-        rounds = getattr(self.ours, "rounds", None)
+        rounds = _rounds(self.ours)
         plain = {k: (float(v) if isinstance(v, float) else v)
                  for k, v in dataclasses.asdict(self).items()}
         return plain | {"ours_interval": interval(self.ours),
                         "anchor_interval": interval(self.anchor_value),
                         "target_interval": interval(self.target),
-                        "rounds": len(rounds) if rounds else None, "verdict": self.verdict,
+                        "rounds": len(rounds) if rounds else None,
+                        "ours_rounds": rounds,
+                        "anchor_rounds": _rounds(self.anchor_value), "verdict": self.verdict,
                         "verdict_rule": VERDICT_RULE if self.target is not None else None,
                         "met": self.met}
 

@@ -10,12 +10,13 @@ them set, for the benchmark process only.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -86,6 +87,20 @@ class Measured(float):
 
     def __reduce__(self) -> tuple[type, tuple[tuple[float, ...]]]:
         return Measured, (self.rounds,)
+
+
+@contextlib.contextmanager
+def one_thread(device: torch.device) -> Iterator[None]:
+    """Run the block on one CPU thread (on a CPU device; a no-op on others), then restore
+    torch's thread count: small ops time steadily on one thread, and ours and the anchor are
+    pinned alike."""
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 ROUNDS = 5  # rounds per figure: each one median of its share of the interleaved repeats

@@ -43,7 +43,9 @@ where uqbench-docs writes the cited cell in place of ``…``, here ``0.049 ± 0.
   ``mean ± std`` in FORMAT, the mean alone when the std is empty or 0 (one seed).
 - ``FORMAT``: a Python format spec (``.3f``, ``.1f``, ``+.1%``) applied to the cell read as a
   number. Without one the cell's text is written as it is: the claims CSVs already hold the
-  text their Markdown shows (``0.014 ± 0.008``, ``✓ +33.4%``). An empty cell is an error.
+  text their Markdown shows (``0.014 ± 0.008``, ``✓ +33.4%``). An empty cell is an error. A
+  cell holding a list of numbers (bench.json's ``ours_interval``) is written ``[low, high]``,
+  each in FORMAT.
 
 Markers inside code (fenced blocks and backtick spans) are examples, not citations: they are
 never rewritten. Imports nothing of uqbench but its error reporting. Longer than most modules:
@@ -285,6 +287,8 @@ class Tables:
             cell = row[column]
             if cell.strip() == "":
                 raise CitationError(f"the cell '{column}' of {name} is empty in that row")
+            if fmt is not None and cell.lstrip().startswith("["):  # an interval [low, high]
+                return "[" + ", ".join(_format(v, fmt) for v in _numbers(cell, column, name)) + "]"
             return cell if fmt is None else _format(_number(cell, column, name), fmt)
         if f"{column} mean" in columns:
             if fmt is None:
@@ -350,6 +354,16 @@ def _number(cell: str, column: str, name: str) -> float:
     except ValueError:
         raise CitationError(f"the cell '{column}' of {name} is '{cell}', not a number; "
                             f"drop the FORMAT to cite its text") from None
+
+
+def _numbers(cell: str, column: str, name: str) -> list[float]:
+    """The numbers of a cell holding a JSON list of them (an interval of bench.json)."""
+    try:
+        values = json.loads(cell)
+        return [float(v) for v in values]
+    except (ValueError, TypeError):
+        raise CitationError(f"the cell '{column}' of {name} is '{cell}', not a list of "
+                            f"numbers") from None
 
 
 def _format(value: float, fmt: str) -> str:
