@@ -118,6 +118,11 @@ p1-digits: digits-pretrain  ## P1 on real digits: 6 methods x 4 backbone levels 
 	$(BIN)/uqbench experiment=p1_digits $(DIGITS_SWEEP)
 	$(BIN)/uqbench-tables --experiment p1_digits
 
+.PHONY: p1-digits-rank
+p1-digits-rank: digits-pretrain  ## Top-k SVE on digits (k = 1 … 64, other and foundation levels, 3 seeds): the accuracy top-k costs; table
+	$(BIN)/uqbench experiment=p1_digits_rank $(DIGITS_SWEEP)
+	$(BIN)/uqbench-tables --experiment p1_digits_rank
+
 .PHONY: p1-digits-baselines-select p1-digits-baselines
 p1-digits-baselines-select: digits-pretrain  ## Selection sweep (validation only) of the methods P1 compares against, on digits; writes conf/recipe/p1_digits_baselines.yaml
 	@# one method per command: a sweep reads the grid of the method its command names

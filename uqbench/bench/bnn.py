@@ -164,7 +164,7 @@ def _speed_one(label: str, width: int, depth: int, device: torch.device, repeats
 
 
 def _ms(t: Measured) -> str:
-    """A time in ms with its range over the rounds."""
+    """A time in ms with its interval over the rounds."""
     low, high = t.interval
     return f"{t * 1e3:.3g} ms [{low * 1e3:.3g}, {high * 1e3:.3g}]"
 

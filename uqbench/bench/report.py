@@ -5,11 +5,15 @@ in the same process, the target and the verdict. The JSON file is a list of reco
 README table and any later check read the same numbers.
 
 **The verdict rule.** A timed figure is measured in rounds (``timing.Measured``): its value is
-the median over the rounds and its interval their range, for ours and for the anchor alike; a
-target computed from the anchor (e.g. anchor / 3) has the anchor's interval, scaled. A targeted
-row is **met** when our whole interval is at or under the target's lower end, **missed** when
-it is wholly above the target's upper end, and **unclear** otherwise. A figure that is counted,
-not timed (memory), is a point, and its verdict is met or missed.
+the median over the rounds and its interval a distribution-free 90 % confidence interval for
+that median (``timing.median_interval``: order statistics; the range at 5 rounds, the second
+smallest to the second largest at 10), for ours and for the anchor alike. The verdict reads
+ours / target round by round (:func:`to_target`): a target computed from an anchor (e.g.
+anchor / 3) was timed in the same rounds as ours, so each round's ratio compares two figures
+timed together, and a machine that is slower in one round moves both. A targeted row is
+**met** when that ratio's whole interval is at or under 1, **missed** when it is wholly above
+1, and **unclear** otherwise. A figure that is counted, not timed (memory), is a point, and its
+verdict is met or missed.
 """
 
 from __future__ import annotations
@@ -25,17 +29,22 @@ from typing import Any
 
 import torch
 
+from uqbench.bench.timing import median_interval
+
 KEYS = ("figure", "ours", "anchor", "anchor_value", "target", "unit", "device")
-VERDICT_RULE = ("met: the whole interval of ours (range over rounds) at or under the target's "
-                "lower end; missed: wholly above its upper end; unclear: otherwise")
+VERDICT_RULE = ("ours / target, round by round (an anchor-relative target: ours over the anchor "
+                "timed in the same round), has a distribution-free 90 % confidence interval for "
+                "its median over rounds, from order statistics; met: the whole interval at or "
+                "under 1; missed: wholly above 1; unclear: otherwise")
 
 
 def interval(value: float | None) -> tuple[float, float] | None:
-    """A figure's run-to-run interval: the range over its rounds, or the point itself."""
+    """A figure's run-to-run interval (``timing.median_interval`` of its rounds), or the point
+    itself."""
     if value is None:
         return None
     rounds = getattr(value, "rounds", None)
-    return (min(rounds), max(rounds)) if rounds else (float(value), float(value))
+    return median_interval(rounds) if rounds else (float(value), float(value))
 
 
 def _rounds(value: float | None) -> list[float] | None:
@@ -43,15 +52,27 @@ def _rounds(value: float | None) -> list[float] | None:
     return list(rounds) if rounds else None
 
 
+def to_target(ours: float | None, target: float | None) -> float | None:
+    """ours / target, round by round where both were measured in the same rounds (a target
+    computed from an anchor timed beside ours), else each round of ours over the target's
+    value; None without both."""
+    if ours is None or target is None:
+        return None
+    paired = len(_rounds(ours) or ()) == len(_rounds(target) or ()) > 0
+    if paired or _rounds(target) is None:
+        return ours / target
+    return ours / float(target)
+
+
 def verdict(ours: float | None, target: float | None) -> str | None:
     """met | missed | unclear by :data:`VERDICT_RULE`; None without a target or a finite
     figure."""
-    mine, bound = interval(ours), interval(target)
-    if mine is None or bound is None or not all(math.isfinite(v) for v in (*mine, *bound)):
+    bound = interval(to_target(ours, target))
+    if bound is None or not all(math.isfinite(v) for v in bound):
         return None
-    if mine[1] <= bound[0] + 1e-12:
+    if bound[1] <= 1 + 1e-12:
         return "met"
-    if mine[0] > bound[1] + 1e-12:
+    if bound[0] > 1 + 1e-12:
         return "missed"
     return "unclear"
 
@@ -93,6 +114,7 @@ class Record:
         return plain | {"ours_interval": interval(self.ours),
                         "anchor_interval": interval(self.anchor_value),
                         "target_interval": interval(self.target),
+                        "to_target_interval": interval(to_target(self.ours, self.target)),
                         "rounds": len(rounds) if rounds else None,
                         "ours_rounds": rounds,
                         "anchor_rounds": _rounds(self.anchor_value), "verdict": self.verdict,
@@ -155,7 +177,7 @@ def markdown(records: list[Record], header: dict[str, Any]) -> str:
              f"Device: {header['device']}. Versions: "
              + ", ".join(f"{k} {v}" for k, v in header["versions"].items()) + ".", "",
              "Ratios are measured side by side in one process (interleaved, warm-up excluded), "
-             "in rounds: each timed figure is the median over its rounds, with their range in "
+             "in rounds: each timed figure is the median over its rounds, with its interval in "
              "brackets. Each anchor is what a user would otherwise run, measured in the same "
              "process; a missing anchor is reported as skipped. Verdicts: " + VERDICT_RULE
              + ".", ""]
