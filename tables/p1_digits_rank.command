@@ -1,0 +1,39 @@
+# p1_digits_rank.md, p1_digits_rank.tex, p1_digits_rank.csv, p1_digits_rank.png were made by (run from the folder the paths are relative to):
+uqbench-tables --runs runs --out tables --experiment p1_digits_rank
+# from 36 results.json under runs:
+#   p1_digits_rank/digits/sve_m4/digits_vit_foundation/method.rank=1/seed0/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_foundation/method.rank=1/seed1/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_foundation/method.rank=1/seed2/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_foundation/method.rank=16/seed0/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_foundation/method.rank=16/seed1/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_foundation/method.rank=16/seed2/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_foundation/method.rank=2/seed0/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_foundation/method.rank=2/seed1/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_foundation/method.rank=2/seed2/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_foundation/method.rank=4/seed0/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_foundation/method.rank=4/seed1/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_foundation/method.rank=4/seed2/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_foundation/method.rank=8/seed0/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_foundation/method.rank=8/seed1/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_foundation/method.rank=8/seed2/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_foundation/method.rank=null/seed0/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_foundation/method.rank=null/seed1/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_foundation/method.rank=null/seed2/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_other/method.rank=1/seed0/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_other/method.rank=1/seed1/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_other/method.rank=1/seed2/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_other/method.rank=16/seed0/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_other/method.rank=16/seed1/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_other/method.rank=16/seed2/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_other/method.rank=2/seed0/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_other/method.rank=2/seed1/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_other/method.rank=2/seed2/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_other/method.rank=4/seed0/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_other/method.rank=4/seed1/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_other/method.rank=4/seed2/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_other/method.rank=8/seed0/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_other/method.rank=8/seed1/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_other/method.rank=8/seed2/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_other/method.rank=null/seed0/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_other/method.rank=null/seed1/results.json
+#   p1_digits_rank/digits/sve_m4/digits_vit_other/method.rank=null/seed2/results.json
