@@ -5,8 +5,7 @@ missing cell is an error that names it, rendering twice changes nothing); the re
 pages against the committed tables/; and no result number typed outside a citation.
 
 The rule for typed numbers, in docs/results.md, docs/bench.md and in the README's "## Results"
-section: a
-*result number* is a decimal number (``0.035``) or a number followed by ``%`` or ``×``
+section: a *result number* is a decimal number (``0.035``) or a number followed by ``%`` or ``×``
 (``34 %``, ``4×``). Each must sit inside a number marker or a generated table. Not counted:
 code (backticks, fenced blocks: settings are written there, ``method.kl_scale=0.03``),
 headings, link targets, HTML comments, and quotations (``>`` lines, a paper's own words and

@@ -177,11 +177,12 @@ def mc_speed(bnn: BayesianMLP, x: torch.Tensor, anchors: dict | None, label: str
     records = []
     ours = moment_pass(bnn)  # compiled: the figure above
     for s in (10, 100) if quick else (10, 100, 1000):
-        anchored = anchors is not None and s in MC_ANCHORED
+        anchor = anchors[f"mc{s}"] if anchors is not None and s in MC_ANCHORED else None
+        anchored = anchor is not None
         fns: dict[str, Callable[[], object]] = {
             "moments": functools.partial(ours, x), "mc": functools.partial(bnn._draws, x, s)}
-        if anchors is not None and anchored:
-            fns["anchor"] = functools.partial(anchors[f"mc{s}"], x)
+        if anchor is not None:
+            fns["anchor"] = functools.partial(anchor, x)
         with torch.no_grad():
             t = side_by_side(fns, device, repeats=ROUNDS, warmup=1)
         note = ("fastbnns not installed" if anchors is None else "" if anchored else

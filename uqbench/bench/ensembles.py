@@ -229,13 +229,13 @@ def time_rows(model: Model, members: int, batch: int, device: torch.device, repe
                note=f"SVE {t['train_sve']:.3g} s, Deep Ensemble {t['train_de']:.3g} s"),
         Record(f"SVE {tag} inference / Deep Ensemble {tag} inference{at}",
                t["infer_sve"] / t["infer_de"], "×", dev, target=SAME_WORK,
-               target_rule="the same work: 1.1", section=section,
+               target_rule=f"the same work: {SAME_WORK}", section=section,
                note=f"SVE {t['infer_sve']:.3g} s, Deep Ensemble {t['infer_de']:.3g} s (the "
                     f"members' cached weights: a Deep Ensemble's work)"),
         Record(f"Deep Ensemble {tag} training step / single{at}", t["train_de"] / t["train_single"],
                "×", dev, anchor="torch-uncertainty deep_ensembles",
                anchor_value=t["train_tu_de"] / t["train_plain"] if tu else None,
-               target=SAME_WORK * members, target_rule="M copies' work: 1.1 · M",
+               target=SAME_WORK * members, target_rule=f"M copies' work: {SAME_WORK} · M",
                section=section, note=(skipped + "; " if skipped else "")
                + f"single {t['train_single']:.3g} s; each member's forward costs the single "
                  f"model's: the spread is the single step's, timed between steps {members}× "
@@ -248,7 +248,7 @@ def time_rows(model: Model, members: int, batch: int, device: torch.device, repe
                t["infer_mcd"] / t["infer_single"], "×", dev,
                anchor="torch-uncertainty mc_dropout",
                anchor_value=t["infer_tu_mcd"] / t["infer_plain"] if tu else None,
-               target=SAME_WORK * members, target_rule="T passes' work: 1.1 · T",
+               target=SAME_WORK * members, target_rule=f"T passes' work: {SAME_WORK} · T",
                section=section,
                note=skipped or f"single {t['infer_single'] * 1e3:.3g} ms"),
     ]

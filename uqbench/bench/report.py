@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from uqbench.bench.timing import median_interval
+from uqbench.bench.timing import Measured
 
 KEYS = ("figure", "ours", "anchor", "anchor_value", "target", "unit", "device")
 VERDICT_RULE = ("ours / target, round by round (an anchor-relative target: ours over the anchor "
@@ -43,8 +43,7 @@ def interval(value: float | None) -> tuple[float, float] | None:
     itself."""
     if value is None:
         return None
-    rounds = getattr(value, "rounds", None)
-    return median_interval(rounds) if rounds else (float(value), float(value))
+    return value.interval if isinstance(value, Measured) else (float(value), float(value))
 
 
 def _rounds(value: float | None) -> list[float] | None:
