@@ -217,11 +217,62 @@ def test_ensemble_figures_tiny_vit(monkeypatch):
                    "MAP LoRA (Laplace-LoRA's training) step / single (batch 4)"):
         assert figures[figure].ours > 0 and figures[figure].target is None
     assert figures["SVE M = 2 training step / Deep Ensemble M = 2 step (batch 4)"].ours > 0
-    mcd = figures["MC-Dropout T = 2 inference / single (batch 4)"]
-    assert mcd.target == pytest.approx(2.2) and mcd.anchor_value is None
+    # a claim of equal work is judged against that work, timed as long: T single inferences
+    mcd = figures["MC-Dropout T = 2 inference / 2 single inferences (batch 4)"]
+    assert mcd.target == pytest.approx(1.1) and mcd.anchor_value is None
     assert "torch-uncertainty not installed" in mcd.note
+    de = figures["Deep Ensemble M = 2 training step / 2 single steps (batch 4)"]
+    assert de.target == pytest.approx(1.1) and len(de.ours.rounds) == 1
     state = figures["SVE M = 2 trainable state / Deep Ensemble M = 2's (batch 4)"]
     assert 0 < state.ours < 100
+
+
+def test_ensemble_timings_run_on_one_thread_and_say_so(monkeypatch):
+    """On a CPU every ensemble figure is timed on one thread (the section's title says it), and
+    the caller's thread count is back afterwards."""
+    from uqbench.bench import ensembles
+
+    seen: list[int] = []
+    timed = ensembles.side_by_side
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return timed(*args, **kwargs)
+
+    monkeypatch.setattr(ensembles, "side_by_side", spy)
+    monkeypatch.setattr(ensembles, "_tu", lambda: None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        rows = ensembles.run(CPU, 1, [2], ["tiny_vit"], batch=2, topk=(1,))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [1, 1]                                     # training steps, inference calls
+    sections = {r.section for r in rows if "training step" in r.figure}
+    assert sections == {"Ensembles: time (tiny ViT, 16 px, one thread)"}
+
+
+def test_the_single_model_is_timed_as_m_consecutive_calls(monkeypatch):
+    """Beside an M-member ensemble, each round (and the warm-up) calls the single model M times
+    in a row, the others once."""
+    from uqbench.bench import ensembles
+
+    calls: dict[str, list[str]] = {"train": [], "infer": []}
+    for kind, fn in (("train", ensembles.PlainStepper.train_step),
+                     ("infer", ensembles.PlainStepper.infer)):
+        def counted(self, fn=fn, kind=kind):
+            calls[kind].append(self.method.name)
+            return fn(self)
+        monkeypatch.setattr(ensembles.PlainStepper, f"{kind}_step" if kind == "train" else kind,
+                            counted)
+    monkeypatch.setattr(ensembles, "_tu", lambda: None)
+    monkeypatch.setattr(ensembles, "peak_bytes", lambda *a, **k: 1)  # no extra steps
+    ensembles.time_rows(ensembles.MODELS["tiny_vit"], 3, 2, CPU, repeats=2, anchors=True)
+    rounds = ensembles.WARMUP + 2
+    assert calls["train"].count("single") == 3 * rounds
+    assert calls["infer"].count("single") == 3 * rounds
+    assert calls["infer"].count("mcdo_t3_p0.1") == rounds
 
 
 def test_targeted_layer_bytes_lora_by_hand():

@@ -44,12 +44,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--members", default="4,16", help="ensemble sizes M (the first one also "
                    "gets the anchors and the methods P1 compares against)")
     p.add_argument("--text-members", default="4", help="ensemble sizes for BERT and LLaMA "
-                   "(a BERT-base step at batch 8 takes seconds per member on a CPU)")
-    p.add_argument("--batch", type=int, default=8, help="image batch at the first M (larger M "
+                   "(a BERT-base step at batch 2 takes seconds per member on a CPU)")
+    p.add_argument("--batch", type=int, default=4, help="image batch at the first M (larger M "
                    "keep M·batch rows per step)")
-    p.add_argument("--text-batch", type=int, default=4, help="text batch at the first M")
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats of the ensembles, "
-                   "one per round (the moment pass gets 10×, in 10 rounds)")
+    p.add_argument("--text-batch", type=int, default=2, help="text batch at the first M")
+    p.add_argument("--repeats", type=int, default=8, help="timed repeats of the ensembles, "
+                   "one per round (the moment-propagation part has its own: bnn.REPEATS)")
     p.add_argument("--quick", action="store_true", help="tiny shapes, few repeats: checks "
                    "that every figure is produced, in seconds")
     p.add_argument("--out", type=Path, default=Path("tables"), help="folder for bench.json/.md")
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         _progress(f"{len(records)} figures", start)
 
     if "bnn" in parts:
-        bnn.run(device, repeats=2 * args.repeats if args.quick else 10 * args.repeats,
+        bnn.run(device, repeats=2 * args.repeats if args.quick else bnn.REPEATS,
                 quick=args.quick, done=done)
     if "ensembles" in parts:
         ensembles.run(device, args.repeats, args.members, _csv(args.models), batch=args.batch,

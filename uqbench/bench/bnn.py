@@ -43,6 +43,7 @@ STEP_WIDTHS = (4, 64, 1024)  # P2's narrowest, middle and widest hidden layers
 STEP_TARGET = 3.0            # BNN step / plain step: the goal for both variances
 SETTLE_STEPS = 300           # training steps before the timed ones (which then hold still)
 FAST_ROUNDS = 10             # rounds of the figures whose calls take milliseconds
+REPEATS = 50                 # the moment pass's timed repeats (the training step's: 4×)
 MC_ANCHORED = (10, 100)    # fastbnns' Monte Carlo is timed at these S
 SECTION_ACCURACY = "Moment propagation vs Monte Carlo: accuracy (variance error vs 2·10⁵ draws)"
 

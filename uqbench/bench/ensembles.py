@@ -1,12 +1,16 @@
 """Ensembles over a pretrained backbone, side by side (`make bench`).
 
-On ViT-S/16 at 224 px (random weights: speed does not depend on them; batch 8 at M = 4, M·batch
-kept for larger M) and BERT-base at length 128 (batch 4), float32, uqbench's methods are built
-from their configs exactly as a run builds them, then timed together: one training step
-(forward, backward, AdamW step) and one inference call (no grad) per method. Figures are
-ratios: SVE / Deep Ensemble, Deep Ensemble / single, LoRA-Ensemble / single, MC-Dropout
-(T passes) / single, with torch-uncertainty's Deep-Ensemble and MC-Dropout wrappers on the same
-network as anchors. Memory: the peak of a training step, the trainable state (parameters +
+On ViT-S/16 at 224 px (random weights: speed does not depend on them; batch 4 at M = 4, M·batch
+kept for larger M) and BERT-base at length 128 (batch 2), float32, uqbench's methods are built
+from their configs exactly as a run builds them, then timed together on one CPU thread (over
+the rounds of one process, a call's time at two threads ranged over about a third of it, at
+one thread over about a tenth, for the same seconds per call at half the batch), in rounds of
+one training step (forward, backward, AdamW step) and one inference call (no grad) per method
+after one untimed call. Figures are ratios: SVE / Deep Ensemble, Deep Ensemble / M single
+steps and MC-Dropout (T passes) / T single inferences (the single model's M or T consecutive
+calls: the work claimed, timed as long as the figure it divides), LoRA-Ensemble / single,
+with torch-uncertainty's Deep-Ensemble and MC-Dropout wrappers on the same network as
+anchors. Memory: the peak of a training step, the trainable state (parameters +
 gradients + optimiser state) and the memory of the targeted layers (SVE, its top-k form and
 LoRA-Ensemble), the last also for LLaMA-2-7B's shapes, counted on the meta device. At the
 first M, the methods P1 compares against (BatchEnsemble, BLoB, MAP LoRA) are timed in the same
@@ -31,7 +35,7 @@ from hydra.utils import instantiate
 from torch import nn
 
 from uqbench.bench.report import Record
-from uqbench.bench.timing import peak_bytes, side_by_side, trainable_state_bytes
+from uqbench.bench.timing import one_thread, peak_bytes, side_by_side, trainable_state_bytes
 from uqbench.contracts import DataInfo
 from uqbench.methods.base import Method
 from uqbench.methods.ensemble import EnsembleMethod
@@ -40,10 +44,11 @@ from uqbench.methods.mc_dropout import MCDropout
 
 CLASSES = 10
 TOPK_KEY = "method.rank"  # SVE's top-k option: only the k largest singular directions adapt
-SECTION_TIME = "Ensembles: time ({model})"
+SECTION_TIME = "Ensembles: time ({model}{threads})"
 # where uqbench claims the same work as something else (M copies, T passes, a Deep Ensemble's
 # inference), the target is that work plus 10 %: a claim of equality has no margin to be met by
 SAME_WORK = 1.1
+WARMUP = 1  # untimed calls of each callable before its rounds (the first builds optimiser state)
 SECTION_MEMORY = "Ensembles: memory ({model})"
 SECTION_LAYERS = "Memory of the targeted layers"
 
@@ -180,7 +185,9 @@ def time_rows(model: Model, members: int, batch: int, device: torch.device, repe
     timed again beside every M, so each ratio comes from one side-by-side measurement).
     ``baselines``: also BatchEnsemble (M members), BLoB (M draws at inference) and MAP LoRA
     (Laplace-LoRA's training step), against the single model, without targets."""
-    dev, section = str(device), SECTION_TIME.format(model=model.label)
+    dev = str(device)
+    section = SECTION_TIME.format(model=model.label,
+                                  threads=", one thread" if device.type == "cpu" else "")
     inputs, labels = model.inputs(batch, device), torch.randint(0, CLASSES, (batch,),
                                                                 device=device)
     m = f"method.members={members}"
@@ -214,11 +221,27 @@ def time_rows(model: Model, members: int, batch: int, device: torch.device, repe
             mcd.head.weight.shape[-1], CLASSES)), text).to(device)
         steppers["tu_mcd"] = PlainStepper(mc_dropout(tu_net, num_estimators=members,
                                                      on_batch=True), ids, labels)
-    train = side_by_side({k: s.train_step for k, s in steppers.items()
-                          if k not in ("mcd", "tu_mcd")}, device, repeats=repeats, warmup=2)
-    infer = side_by_side({k: s.infer for k, s in steppers.items() if k != "tu_de"},
-                         device, repeats=repeats, warmup=2)
+    one = steppers["single"]
+
+    def single_steps() -> None:  # M single steps: the work a Deep Ensemble claims to equal
+        for _ in range(members):
+            one.train_step()
+
+    def single_inferences() -> None:  # T single inferences: MC-Dropout's claimed work
+        for _ in range(members):
+            one.infer()
+
+    # the single model's figure is its M (T) consecutive calls: a denominator as long as the
+    # ensemble's figure, averaged over M calls
+    train = side_by_side({k: s.train_step if k != "single" else single_steps
+                          for k, s in steppers.items() if k not in ("mcd", "tu_mcd")},
+                         device, repeats=repeats, warmup=WARMUP, rounds=repeats)
+    infer = side_by_side({k: s.infer if k != "single" else single_inferences
+                          for k, s in steppers.items() if k != "tu_de"},
+                         device, repeats=repeats, warmup=WARMUP, rounds=repeats)
     t = {f"train_{k}": v for k, v in train.items()} | {f"infer_{k}": v for k, v in infer.items()}
+    t["train_single_m"], t["infer_single_t"] = t["train_single"], t["infer_single"]
+    t["train_single"], t["infer_single"] = t["train_single"] / members, t["infer_single"] / members
     tag = f"M = {members}"
     at = f" (batch {batch})"
     skipped = "" if tu else ("torch-uncertainty not installed: anchor skipped" if anchors
@@ -232,25 +255,26 @@ def time_rows(model: Model, members: int, batch: int, device: torch.device, repe
                target_rule=f"the same work: {SAME_WORK}", section=section,
                note=f"SVE {t['infer_sve']:.3g} s, Deep Ensemble {t['infer_de']:.3g} s (the "
                     f"members' cached weights: a Deep Ensemble's work)"),
-        Record(f"Deep Ensemble {tag} training step / single{at}", t["train_de"] / t["train_single"],
-               "×", dev, anchor="torch-uncertainty deep_ensembles",
-               anchor_value=t["train_tu_de"] / t["train_plain"] if tu else None,
-               target=SAME_WORK * members, target_rule=f"M copies' work: {SAME_WORK} · M",
-               section=section, note=(skipped + "; " if skipped else "")
-               + f"single {t['train_single']:.3g} s; each member's forward costs the single "
-                 f"model's: the spread is the single step's, timed between steps {members}× "
-                 f"longer"),
+        Record(f"Deep Ensemble {tag} training step / {members} single steps{at}",
+               t["train_de"] / t["train_single_m"], "×", dev,
+               anchor="torch-uncertainty deep_ensembles",
+               anchor_value=t["train_tu_de"] / (t["train_plain"] * members) if tu else None,
+               target=SAME_WORK, target_rule=f"M copies' work: {SAME_WORK}", section=section,
+               note=(skipped + "; " if skipped else "")
+               + f"a single step {t['train_single']:.3g} s, timed as {members} consecutive "
+                 f"steps"),
         Record(f"LoRA-Ensemble {tag} training step / single{at}",
                t["train_lora"] / t["train_single"], "×", dev, section=section),
         Record(f"LoRA-Ensemble {tag} inference / single{at}", t["infer_lora"] / t["infer_single"],
                "×", dev, section=section),
-        Record(f"MC-Dropout T = {members} inference / single{at}",
-               t["infer_mcd"] / t["infer_single"], "×", dev,
+        Record(f"MC-Dropout T = {members} inference / {members} single inferences{at}",
+               t["infer_mcd"] / t["infer_single_t"], "×", dev,
                anchor="torch-uncertainty mc_dropout",
-               anchor_value=t["infer_tu_mcd"] / t["infer_plain"] if tu else None,
-               target=SAME_WORK * members, target_rule=f"T passes' work: {SAME_WORK} · T",
-               section=section,
-               note=skipped or f"single {t['infer_single'] * 1e3:.3g} ms"),
+               anchor_value=t["infer_tu_mcd"] / (t["infer_plain"] * members) if tu else None,
+               target=SAME_WORK, target_rule=f"T passes' work: {SAME_WORK}", section=section,
+               note=(skipped + "; " if skipped else "")
+               + f"a single inference {t['infer_single'] * 1e3:.3g} ms, timed as {members} "
+                 f"consecutive calls"),
     ]
     if baselines:
         rows += [
@@ -337,7 +361,7 @@ def layer_memory(model: Model, members: int, device: torch.device, topk: list[in
 
 
 def run(device: torch.device, repeats: int, members: list[int], models: list[str],
-        batch: int = 8, anchors: bool = True, topk: tuple[int, ...] = (8, 64),
+        batch: int = 4, anchors: bool = True, topk: tuple[int, ...] = (8, 64),
         text_members: list[int] | None = None, text_batch: int | None = None,
         done: Callable[[list[Record]], None] = lambda rows: None) -> list[Record]:
     """Every model's time and memory rows at each M, then its targeted-layer memory.
@@ -346,7 +370,8 @@ def run(device: torch.device, repeats: int, members: list[int], models: list[str
     (a 16-member Deep Ensemble of ViT-S/16 at batch 8 needs more than 24 GB to train), so
     each ratio compares methods at one batch. Text models use ``text_members`` and
     ``text_batch``; torch-uncertainty's anchors run on image models at the first M. ``done``
-    is called with the rows of each M as they are measured."""
+    is called with the rows of each M as they are measured. On a CPU every figure is timed on
+    one thread (:func:`~uqbench.bench.timing.one_thread`)."""
     records: list[Record] = []
     for key in models:
         model = MODELS[key]
@@ -354,9 +379,9 @@ def run(device: torch.device, repeats: int, members: list[int], models: list[str
         sizes = text_members if text and text_members else members
         first = text_batch if text and text_batch else batch
         for i, m in enumerate(sizes):
-            rows = time_rows(model, m, max(1, first * sizes[0] // m), device,
-                             repeats,
-                             anchors and i == 0 and not text, baselines=i == 0)
+            with one_thread(device):
+                rows = time_rows(model, m, max(1, first * sizes[0] // m), device, repeats,
+                                 anchors and i == 0 and not text, baselines=i == 0)
             records += rows
             done(rows)
         rows = layer_memory(model, sizes[0], device, list(topk))
