@@ -240,12 +240,25 @@ def time_rows(model: Model, members: int, batch: int, device: torch.device, repe
                           for k, s in steppers.items() if k != "tu_de"},
                          device, repeats=repeats, warmup=WARMUP, rounds=repeats)
     t = {f"train_{k}": v for k, v in train.items()} | {f"infer_{k}": v for k, v in infer.items()}
-    t["train_single_m"], t["infer_single_t"] = t["train_single"], t["infer_single"]
-    t["train_single"], t["infer_single"] = t["train_single"] / members, t["infer_single"] / members
+    for kind in ("train", "infer"):  # the M (T) calls' time, and one call's
+        t[f"{kind}_single_work"] = t[f"{kind}_single"]
+        t[f"{kind}_single"] = t[f"{kind}_single_work"] / members
     tag = f"M = {members}"
     at = f" (batch {batch})"
     skipped = "" if tu else ("torch-uncertainty not installed: anchor skipped" if anchors
                              else "anchors: on ViT-S/16 at the first M only (time, memory)")
+
+    def same_work(figure: str, kind: str, ours: str, wrapper: str, work: str,
+                  note: str) -> Record:
+        """An ensemble over the M (T) consecutive single calls whose work it claims to equal,
+        beside torch-uncertainty's wrapper over M (T) calls of the bare network."""
+        return Record(f"{figure}{at}", t[f"{kind}_{ours}"] / t[f"{kind}_single_work"], "×", dev,
+                      anchor=f"torch-uncertainty {wrapper}",
+                      anchor_value=(t[f"{kind}_tu_{ours}"] / (t[f"{kind}_plain"] * members)
+                                    if tu else None),
+                      target=SAME_WORK, target_rule=f"{work}: {SAME_WORK}", section=section,
+                      note=(skipped + "; " if skipped else "") + note)
+
     rows = [
         Record(f"SVE {tag} training step / Deep Ensemble {tag} step{at}",
                t["train_sve"] / t["train_de"], "×", dev, target=1.0, section=section,
@@ -255,26 +268,18 @@ def time_rows(model: Model, members: int, batch: int, device: torch.device, repe
                target_rule=f"the same work: {SAME_WORK}", section=section,
                note=f"SVE {t['infer_sve']:.3g} s, Deep Ensemble {t['infer_de']:.3g} s (the "
                     f"members' cached weights: a Deep Ensemble's work)"),
-        Record(f"Deep Ensemble {tag} training step / {members} single steps{at}",
-               t["train_de"] / t["train_single_m"], "×", dev,
-               anchor="torch-uncertainty deep_ensembles",
-               anchor_value=t["train_tu_de"] / (t["train_plain"] * members) if tu else None,
-               target=SAME_WORK, target_rule=f"M copies' work: {SAME_WORK}", section=section,
-               note=(skipped + "; " if skipped else "")
-               + f"a single step {t['train_single']:.3g} s, timed as {members} consecutive "
-                 f"steps"),
+        same_work(f"Deep Ensemble {tag} training step / {members} single steps", "train", "de",
+                  "deep_ensembles", "M copies' work",
+                  f"a single step {t['train_single']:.3g} s, timed as {members} consecutive "
+                  f"steps"),
         Record(f"LoRA-Ensemble {tag} training step / single{at}",
                t["train_lora"] / t["train_single"], "×", dev, section=section),
         Record(f"LoRA-Ensemble {tag} inference / single{at}", t["infer_lora"] / t["infer_single"],
                "×", dev, section=section),
-        Record(f"MC-Dropout T = {members} inference / {members} single inferences{at}",
-               t["infer_mcd"] / t["infer_single_t"], "×", dev,
-               anchor="torch-uncertainty mc_dropout",
-               anchor_value=t["infer_tu_mcd"] / (t["infer_plain"] * members) if tu else None,
-               target=SAME_WORK, target_rule=f"T passes' work: {SAME_WORK}", section=section,
-               note=(skipped + "; " if skipped else "")
-               + f"a single inference {t['infer_single'] * 1e3:.3g} ms, timed as {members} "
-                 f"consecutive calls"),
+        same_work(f"MC-Dropout T = {members} inference / {members} single inferences",
+                  "infer", "mcd", "mc_dropout", "T passes' work",
+                  f"a single inference {t['infer_single'] * 1e3:.3g} ms, timed as {members} "
+                  f"consecutive calls"),
     ]
     if baselines:
         rows += [
