@@ -77,3 +77,25 @@ def test_a_chain_it_cannot_take_is_refused_by_name():
     with pytest.raises(ValueError, match="starts and ends with a GaussianLinear"):
         moments_and_kl(ends_in_activation, torch.zeros(2, 1))
     assert fusable(MomentSequential(GaussianLinear(1, 4), Other(), GaussianLinear(4, 1)))
+
+
+@pytest.mark.parametrize("variance", ["embedded", "learned"])
+def test_the_compiled_training_loss_equals_the_eager_one(variance):
+    """``compile: true`` trains through torch.compile of the same node, head and NLL: the same
+    ELBO and gradients to rounding (float64), and the compiled code is what ran."""
+    from torch._dynamo.utils import counters
+
+    eager, compiled = (_bnn(2, 8, 0.1, "fixed", variance=variance) for _ in range(2))
+    compiled.compiled = True  # what method.compile: true sets
+    x = torch.randn(32, 3, dtype=torch.float64) * 2
+    y = torch.randn(32, 1, dtype=torch.float64)
+    before = counters["stats"]["unique_graphs"]
+    losses, grads = [], []
+    for model in (eager, compiled):
+        loss = model.loss((x, y), share=0.5)
+        losses.append(loss)
+        grads.append(torch.autograd.grad(loss, list(model.parameters())))
+    assert counters["stats"]["unique_graphs"] > before
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-10, atol=0)
+    for g, w in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-8, atol=1e-10)

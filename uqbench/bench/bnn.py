@@ -9,16 +9,20 @@ step), timed on one CPU thread:
   Monte Carlo propagator as the anchor at S = 10 and 100;
 - P2's training step (moment pass, ELBO, backward, Adam; batch 100; timed where 300 training
   steps took the model, held there) / a plain MLP's Gaussian-NLL step of the same width, both
-  variances, widths 4, 64 and 1024;
+  variances, widths 4, 64 and 1024, compiled (``method.compile: true``) and eager (the default);
 - accuracy: the variance error of each inference against a 2·10⁵-draw Monte Carlo reference,
   for one Leaky-ReLU unit across μ/σ from −40 to 40 (body |μ/σ| ≤ 3, tails beyond) and for the
   1→64→64→1 network's predictive σ.
+
+Longer than most modules: each figure's networks, anchors and side-by-side timing sit together,
+so that what is compared is built in one place.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import math
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -295,7 +299,9 @@ def _stepper(model: nn.Module, loss: Callable[[], torch.Tensor], settle: int = 0
 def training_step(device: torch.device, repeats: int, quick: bool = False) -> list[Record]:
     """P2's training step (the ELBO's moments by one moment pass, its backward and Adam) over
     a plain MLP's Gaussian-NLL step of the same width (1→width→2, mean and softplus variance),
-    batch 100 as P2's, on one CPU thread as P2's runs; both variances, side by side."""
+    batch 100 as P2's, on one CPU thread as P2's runs; both variances, side by side, compiled
+    (``method.compile: true``, the targeted rows; compilation happens in the settling steps,
+    untimed) and as the default runs them (eager)."""
     dev, settle = str(device), 20 if quick else SETTLE_STEPS
     batch = 100
     x = torch.linspace(-1.5, 1.5, batch, device=device).unsqueeze(1)
@@ -305,11 +311,12 @@ def training_step(device: torch.device, repeats: int, quick: bool = False) -> li
     with one_thread(device):
         for width in (4, 16) if quick else STEP_WIDTHS:
             fns: dict[str, Callable[[], object]] = {}
-            for variance in ("embedded", "learned"):
+            for variance, compiled in itertools.product(("embedded", "learned"), (True, False)):
                 torch.manual_seed(0)
                 bnn = BayesianMLP(MLP(width=width, depth=1, slope=SLOPE), info,
-                                  variance=variance).to(device).train()
-                fns[variance] = _stepper(bnn, functools.partial(bnn.loss, (x, y)), settle)
+                                  variance=variance, compile=compiled).to(device).train()
+                fns[variance + ("" if compiled else "_eager")] = _stepper(
+                    bnn, functools.partial(bnn.loss, (x, y)), settle)
             torch.manual_seed(0)
             plain = nn.Sequential(nn.Linear(1, width), nn.LeakyReLU(SLOPE),
                                   nn.Linear(width, 2)).to(device)
@@ -320,13 +327,19 @@ def training_step(device: torch.device, repeats: int, quick: bool = False) -> li
                                            eps=1e-8, reduction="sum")
             fns["plain"] = _stepper(plain, plain_loss, settle)
             t = side_by_side(fns, device, repeats=repeats, warmup=10, rounds=FAST_ROUNDS)
+            note = (f"batch {batch}, 1 thread, Adam; timed after {settle} training steps, held "
+                    f"there; plain step {_ms(t['plain'])}")
             for variance in ("embedded", "learned"):
                 records.append(Record(
                     f"P2 training step / plain MLP step, 1→{width}→1, {variance}",
                     t[variance] / t["plain"], "×", dev, target=STEP_TARGET,
                     target_rule="P2's step goal", section=SECTION_STEP,
-                    note=f"batch {batch}, 1 thread, Adam; timed after {settle} training "
-                         f"steps, held there; plain step {_ms(t['plain'])}"))
+                    note=f"method.compile: true (compile time excluded); {note}"))
+            for variance in ("embedded", "learned"):
+                records.append(Record(
+                    f"P2 training step / plain MLP step, 1→{width}→1, {variance}, without "
+                    f"compile (default)", t[f"{variance}_eager"] / t["plain"], "×", dev,
+                    section=SECTION_STEP, note="method.compile: false"))
     return records
 
 

@@ -24,9 +24,11 @@ differs). Prediction uses ``inference: moments`` or ``inference: mc`` (S sampled
 How the analytic pass is computed (:meth:`BayesianMLP.moment_pass`) changes its speed, not its
 numbers (they agree to rounding, gradients included): ``fused: true`` evaluates the same closed
 forms with fewer passes over memory (``forward_fused`` of :mod:`uqbench.methods.moments.layers`),
-``fused: false`` runs the reference layers; ``compile: true`` also runs the fused pass through
-torch.compile when no gradient is taken (inference), which pays only once its compilation
-(seconds) is spread over many large batches.
+``fused: false`` runs the reference layers; ``compile: true`` also runs it through torch.compile:
+the training loss (the fused pass, the KL, the variance head and the NLL, with their backward, as
+one compiled graph shared by every network of the same depth) and inference passes. A P2
+training step of a hundred rows is a few hundred small operations, which compiled code runs
+as a few loops; the compilation takes seconds (tens cold) once per process and structure.
 
 ``covariance: diagonal`` (default, P2's) treats a layer's units as independent; ``full`` carries
 their covariances from layer to layer as deterministic variational inference does (Wu et al.,
@@ -64,7 +66,7 @@ from uqbench.methods.moments.layers import (
     MomentSequential,
 )
 from uqbench.methods.moments.links import LINKS, apply_link, expected_link
-from uqbench.methods.moments.step import fusable, moments_and_kl
+from uqbench.methods.moments.step import Plan, fusable, fused_plan, planned_moments_and_kl
 
 VARIANCES = ("embedded", "learned")
 INFERENCES = ("moments", "mc")
@@ -148,9 +150,10 @@ class BayesianMLP(Method):
 
     ``fused`` (default true): the moment pass uses the fused formulas, equal to the reference
     layers' to rounding, gradients included, and faster at every size measured; false: the
-    reference layers. ``compile`` (default false; needs ``fused``): inference passes (no
-    gradient) run through torch.compile; worth it for long inference on large batches, not for a
-    short run, whose compilation (seconds, tens of seconds cold) would outweigh what it saves.
+    reference layers. ``compile`` (default false; needs ``fused``): the training loss and the
+    inference passes run through torch.compile (module docstring); worth it for a run of
+    thousands of steps, not for a short one, whose compilation (seconds, tens of seconds cold)
+    would outweigh what it saves.
     """
 
     task = "regression"
@@ -187,7 +190,7 @@ class BayesianMLP(Method):
                           else float(kl_weight))
         self.min_var = float(min_var)
         # speed only: the same moments to rounding (not `compile`: nn.Module's own method)
-        self.fused, self.compile_inference = fused, compile
+        self.fused, self.compiled = fused, compile
         self.covariance = covariance
         self.out_dim = int(info.out_dim or 1)
         outputs = self.out_dim * (2 if variance == "learned" else 1)
@@ -237,7 +240,7 @@ class BayesianMLP(Method):
             return self.net.forward_full(x, fused=self.fused)[:2]
         if not self.fused:
             return self.net(x, torch.zeros_like(x))  # deterministic input: v = 0
-        if self.compile_inference and not torch.is_grad_enabled():
+        if self.compiled and not torch.is_grad_enabled():
             return _compiled_fused_pass()(self.net, x)
         return self.net.forward_fused(x)
 
@@ -246,12 +249,8 @@ class BayesianMLP(Method):
 
     def _head(self, mean: torch.Tensor, var: torch.Tensor) -> RegressionOutput:
         """The predictive moments from the raw output moments (B, outputs)."""
-        d = self.out_dim
-        if self.variance == "embedded":
-            return RegressionOutput(mean, var + self.min_var)
-        # E[link(a₂)] under a₂'s propagated Gaussian: what MC inference estimates by sampling
-        aleatoric = expected_link(self.variance_link, mean[:, d:], var[:, d:]) + self.min_var
-        return RegressionOutput(mean[:, :d], var[:, :d] + aleatoric, aleatoric)
+        return _predictive(mean, var, self.out_dim, self.variance, self.variance_link,
+                           self.min_var)
 
     # -- Monte Carlo: S sampled weight sets ------------------------------------------------
     def _draws(self, x: torch.Tensor, samples: int) -> torch.Tensor:
@@ -286,16 +285,17 @@ class BayesianMLP(Method):
         The NLL's mean and var come from one moment pass (``training: moments``) or from
         ``train_samples`` weight draws (``training: sampling``; unbiased sample variance)."""
         x, y = batch
-        if self.training_mode == "sampling":
-            out, kl = self._from_draws(self._draws(x, self.train_samples), unbiased=True), None
-        elif self.covariance == "diagonal" and self.fused and self._one_node:
+        if self.training_mode == "moments" and self.covariance == "diagonal" and self.fused \
+                and self._one_node:
             # the fused pass and the KL as one autograd node: the same numbers, fewer ops
-            mean, var, kl = moments_and_kl(self.net, x)
-            out = self._head(mean, var)
+            elbo = _compiled_elbo_terms() if self.compiled else _elbo_terms
+            nll, kl = elbo(x, y, *fused_plan(self.net), self.out_dim, self.variance,
+                           self.variance_link, self.min_var)
         else:
-            out, kl = self._moments(x), None
-        nll = 0.5 * (torch.log(2 * math.pi * out.var) + (y - out.mean) ** 2 / out.var).sum()
-        return nll + self.kl_weight * share * (self.net.kl() if kl is None else kl)
+            out = (self._from_draws(self._draws(x, self.train_samples), unbiased=True)
+                   if self.training_mode == "sampling" else self._moments(x))
+            nll, kl = _nll(out, y), self.net.kl()
+        return nll + self.kl_weight * share * kl
 
     # -- moments vs Monte Carlo ----------------------------------------------------------------
     @torch.no_grad()
@@ -370,6 +370,40 @@ class BayesianMLP(Method):
                 link += apply_link(self.variance_link, out[..., d:]).sum(0)
         epistemic = ((square - total * total / samples) / (samples - 1)).clamp_min(0)
         return shift + total / samples, epistemic + link / samples + self.min_var
+
+
+def _predictive(mean: torch.Tensor, var: torch.Tensor, d: int, variance: str, link: str,
+                min_var: float) -> RegressionOutput:
+    """The predictive moments from the raw output moments (B, outputs): embedded, the output's
+    own; learned, the first d outputs' plus E[link(a₂)] of the other d."""
+    if variance == "embedded":
+        return RegressionOutput(mean, var + min_var)
+    # E[link(a₂)] under a₂'s propagated Gaussian: what MC inference estimates by sampling
+    aleatoric = expected_link(link, mean[:, d:], var[:, d:]) + min_var
+    return RegressionOutput(mean[:, :d], var[:, :d] + aleatoric, aleatoric)
+
+
+def _nll(out: RegressionOutput, y: torch.Tensor) -> torch.Tensor:
+    """Σ over the batch of the Gaussian NLL of y under (out.mean, out.var)."""
+    return 0.5 * (torch.log(2 * math.pi * out.var) + (y - out.mean) ** 2 / out.var).sum()
+
+
+def _elbo_terms(x: torch.Tensor, y: torch.Tensor, plan: Plan, params: list[torch.Tensor],
+                d: int, variance: str, link: str, min_var: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ELBO's NLL (summed over the batch) and KL by the fused training node, from the
+    network's plan and parameters (no module: compiled once for every network of a plan)."""
+    mean, var, kl = planned_moments_and_kl(x, plan, params)
+    return _nll(_predictive(mean, var, d, variance, link, min_var), y), kl
+
+
+@functools.cache
+def _compiled_elbo_terms() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`_elbo_terms` through torch.compile, built on first use. Python floats of the plan
+    (slopes, prior stds) are compiled in as constants: traced as symbolic numbers they trip a
+    guard that dynamo itself reports as its bug."""
+    compiled = torch.compile(_elbo_terms)
+    return torch._dynamo.config.patch(specialize_float=True)(compiled)  # type: ignore[no-any-return]
 
 
 @functools.cache

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from functools import cache
 
 import numpy as np
 import torch
@@ -30,24 +29,28 @@ _TAIL = 100.0        # the half-line window ends where the integrand's envelope 
 _SQRT_HALF_PI = math.sqrt(math.pi / 2)
 
 
-@cache
-def _hermite(n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Nodes z_i and weights w_i with Σ w_i f(z_i) ≈ E[f(Z)], Z ~ N(0, 1)."""
+def _hermite(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nodes z_i and weights w_i with Σ w_i f(z_i) ≈ E[f(Z)], Z ~ N(0, 1) (float64)."""
     x, w = np.polynomial.hermite.hermgauss(n)
-    return x * math.sqrt(2), w / math.sqrt(math.pi)
+    return torch.from_numpy(x * math.sqrt(2)), torch.from_numpy(w / math.sqrt(math.pi))
 
 
-@cache
-def _legendre_panels(panels: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+def _legendre_panels(panels: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Nodes t_j on [0, 1] (``panels`` equal panels of n Gauss–Legendre nodes) and weights with
-    Σ w_j f(t_j) ≈ ∫₀¹ f(t) dt."""
+    Σ w_j f(t_j) ≈ ∫₀¹ f(t) dt (float64)."""
     x, w = np.polynomial.legendre.leggauss(n)
     left = np.arange(panels)[:, None] / panels
-    return (left + (x + 1) / (2 * panels)).ravel(), np.tile(w / (2 * panels), panels)
+    return (torch.from_numpy((left + (x + 1) / (2 * panels)).ravel()),
+            torch.from_numpy(np.tile(w / (2 * panels), panels)))
 
 
-def _const(values: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    return torch.as_tensor(values, dtype=like.dtype, device=like.device)
+# the nodes, made once here: torch.compile traces the code that reads them, not numpy
+_GH = _hermite(_GH_NODES)
+_PANEL = _legendre_panels(_PANELS, _PANEL_NODES)
+
+
+def _const(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return values.to(dtype=like.dtype, device=like.device)
 
 
 def _softplus(a: torch.Tensor) -> torch.Tensor:
@@ -108,7 +111,7 @@ def _half_line_parts(names: tuple[str, ...], m: torch.Tensor,
     # √(q² + Tv) − q, written so that large q does not cancel
     upper = p.clamp_min(0) + _TAIL * v / (torch.sqrt(q * q + _TAIL * v) + q)
     lower = (p - math.sqrt(_TAIL) * s).clamp_min(0)
-    t, w = (_const(a, m) for a in _legendre_panels(_PANELS, _PANEL_NODES))
+    t, w = (_const(a, m) for a in _PANEL)
     width = (upper - lower)[:, None]
     u = torch.addcmul(lower[:, None], width, t)                      # (N, K)
     inv_s = (1 / s)[:, None]
@@ -150,12 +153,21 @@ def _gaussian_expectations(names: tuple[str, ...], mean: torch.Tensor,
     computed by one rule only (no work, and no inf/nan, in the branch it does not take). Without
     selecting (a training batch): every s ≤ 1 takes Gauss–Hermite; otherwise, when every v > 0,
     every element takes the kink split, which for s ≤ 1 agrees with Gauss–Hermite to ~4e-13
-    relative (|m| ≤ 50, v down to 1e-6).
+    relative (|m| ≤ 50, v down to 1e-6). Under torch.compile (``method.compile``'s training
+    loss): the kink split for every v > 0 and f(mean) for v = 0, chosen elementwise (both
+    finite everywhere), so that the graph has no branch on the data.
     """
     fns = [_INTEGRANDS[name][0] for name in names]
     v = var.clamp_min(0)
+    if torch.compiler.is_compiling():  # one graph, no data-dependent branch: the kink split
+        positive = v > 0                # everywhere (v > 0), f(mean) where v = 0
+        v_pos = torch.where(positive, v, torch.ones_like(v))
+        s = v_pos.sqrt()
+        return [torch.where(positive, _kink_part(name, mean, s) + rest, f(mean))
+                for name, f, rest in zip(names, fns, _half_line_parts(names, mean, v_pos),
+                                         strict=True)]
     small = (v > 0) & (v <= _GH_MAX_STD ** 2)
-    z, w = (_const(a, mean) for a in _hermite(_GH_NODES))
+    z, w = (_const(a, mean) for a in _GH)
     if bool(small.all()):
         a = mean[..., None] + v.sqrt()[..., None] * z
         return [(f(a) * w).sum(-1) for f in fns]  # no matmul: not FLOPs

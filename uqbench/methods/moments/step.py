@@ -126,11 +126,13 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def moments_and_kl(net: MomentSequential, x: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The output mean and variance of ``net``'s fused moment pass for deterministic inputs
-    x (B, in), and ``net.kl()``, as one autograd node (the module docstring's closed forms).
-    ``net`` must be :func:`fusable`: its layers Gaussian linear and Leaky-ReLU, the last linear."""
+Plan = tuple[tuple[str, float], ...]
+
+
+def fused_plan(net: MomentSequential) -> tuple[Plan, list[torch.Tensor]]:
+    """What :func:`moments_and_kl` passes to its node for ``net``: per layer ("linear", prior
+    std) or ("act", slope), and μ_W, ρ_W, μ_b, ρ_b of each linear layer in order. ``net`` must
+    be :func:`fusable`."""
     plan: list[tuple[str, float]] = []
     params: list[torch.Tensor] = []
     for m in net:
@@ -145,5 +147,20 @@ def moments_and_kl(net: MomentSequential, x: torch.Tensor
     if not plan or plan[0][0] != "linear" or plan[-1][0] != "linear":
         raise ValueError("moments_and_kl needs a chain that starts and ends with a "
                          "GaussianLinear layer")
-    mean, var, kl = _MomentsAndKL.apply(x, tuple(plan), *params)
+    return tuple(plan), params
+
+
+def planned_moments_and_kl(x: torch.Tensor, plan: Plan, params: list[torch.Tensor]
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`moments_and_kl` from :func:`fused_plan`'s plan and parameters (no module in the
+    arguments: what a compiled training loss traces)."""
+    mean, var, kl = _MomentsAndKL.apply(x, plan, *params)
     return mean, var, kl
+
+
+def moments_and_kl(net: MomentSequential, x: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The output mean and variance of ``net``'s fused moment pass for deterministic inputs
+    x (B, in), and ``net.kl()``, as one autograd node (the module docstring's closed forms).
+    ``net`` must be :func:`fusable`: its layers Gaussian linear and Leaky-ReLU, the last linear."""
+    return planned_moments_and_kl(x, *fused_plan(net))
