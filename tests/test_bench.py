@@ -259,13 +259,13 @@ def test_the_single_model_is_timed_as_m_consecutive_calls(monkeypatch):
     from uqbench.bench import ensembles
 
     calls: dict[str, list[str]] = {"train": [], "infer": []}
-    for kind, fn in (("train", ensembles.PlainStepper.train_step),
-                     ("infer", ensembles.PlainStepper.infer)):
-        def counted(self, fn=fn, kind=kind):
+    for kind, attr in (("train", "train_step"), ("infer", "infer")):
+        original = getattr(ensembles.PlainStepper, attr)
+
+        def counted(self, fn=original, kind=kind):
             calls[kind].append(self.method.name)
             return fn(self)
-        monkeypatch.setattr(ensembles.PlainStepper, f"{kind}_step" if kind == "train" else kind,
-                            counted)
+        monkeypatch.setattr(ensembles.PlainStepper, attr, counted)
     monkeypatch.setattr(ensembles, "_tu", lambda: None)
     monkeypatch.setattr(ensembles, "peak_bytes", lambda *a, **k: 1)  # no extra steps
     ensembles.time_rows(ensembles.MODELS["tiny_vit"], 3, 2, CPU, repeats=2, anchors=True)

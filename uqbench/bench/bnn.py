@@ -183,19 +183,18 @@ def mc_speed(bnn: BayesianMLP, x: torch.Tensor, anchors: dict | None, label: str
     ours = moment_pass(bnn)  # compiled: the figure above
     for s in (10, 100) if quick else (10, 100, 1000):
         anchor = anchors[f"mc{s}"] if anchors is not None and s in MC_ANCHORED else None
-        anchored = anchor is not None
         fns: dict[str, Callable[[], object]] = {
             "moments": functools.partial(ours, x), "mc": functools.partial(bnn._draws, x, s)}
         if anchor is not None:
             fns["anchor"] = functools.partial(anchor, x)
         with torch.no_grad():
             t = side_by_side(fns, device, repeats=ROUNDS, warmup=1)
-        note = ("fastbnns not installed" if anchors is None else "" if anchored else
+        note = ("fastbnns not installed" if anchors is None else "" if anchor is not None else
                 f"fastbnns at S ≤ {max(MC_ANCHORED)} only (one call takes seconds here)")
         records.append(Record(
             f"Monte Carlo S = {s} / moment pass, {label}", t["mc"] / t["moments"], "×",
-            str(device), anchor=f"fastbnns Monte Carlo S = {s}" if anchored else None,
-            anchor_value=t["anchor"] / t["moments"] if anchored else None,
+            str(device), anchor=f"fastbnns Monte Carlo S = {s}" if anchor is not None else None,
+            anchor_value=t["anchor"] / t["moments"] if anchor is not None else None,
             section=SECTION_SPEED, note=note))
     return records
 

@@ -171,6 +171,14 @@ def plain_network(single: EnsembleMethod, text: bool) -> nn.Module:
                    text).to(next(single.parameters()).device)
 
 
+def _repeat(fn: Callable[[], None], times: int) -> Callable[[], None]:
+    """``fn`` called ``times`` times in a row, as one callable."""
+    def repeated() -> None:
+        for _ in range(times):
+            fn()
+    return repeated
+
+
 def _tu() -> Any:
     try:
         from torch_uncertainty.methods import deep_ensembles, mc_dropout
@@ -222,26 +230,18 @@ def time_rows(model: Model, members: int, batch: int, device: torch.device, repe
         steppers["tu_mcd"] = PlainStepper(mc_dropout(tu_net, num_estimators=members,
                                                      on_batch=True), ids, labels)
     one = steppers["single"]
-
-    def single_steps() -> None:  # M single steps: the work a Deep Ensemble claims to equal
-        for _ in range(members):
-            one.train_step()
-
-    def single_inferences() -> None:  # T single inferences: MC-Dropout's claimed work
-        for _ in range(members):
-            one.infer()
-
-    # the single model's figure is its M (T) consecutive calls: a denominator as long as the
-    # ensemble's figure, averaged over M calls
-    train = side_by_side({k: s.train_step if k != "single" else single_steps
-                          for k, s in steppers.items() if k not in ("mcd", "tu_mcd")},
+    # the single model is timed as M (T) consecutive calls, the work a Deep Ensemble (MC-Dropout)
+    # claims to equal: a denominator as long as the figure it divides
+    train = side_by_side({"single_work": _repeat(one.train_step, members)}
+                         | {k: s.train_step for k, s in steppers.items()
+                            if k not in ("single", "mcd", "tu_mcd")},
                          device, repeats=repeats, warmup=WARMUP, rounds=repeats)
-    infer = side_by_side({k: s.infer if k != "single" else single_inferences
-                          for k, s in steppers.items() if k != "tu_de"},
+    infer = side_by_side({"single_work": _repeat(one.infer, members)}
+                         | {k: s.infer for k, s in steppers.items()
+                            if k not in ("single", "tu_de")},
                          device, repeats=repeats, warmup=WARMUP, rounds=repeats)
     t = {f"train_{k}": v for k, v in train.items()} | {f"infer_{k}": v for k, v in infer.items()}
-    for kind in ("train", "infer"):  # the M (T) calls' time, and one call's
-        t[f"{kind}_single_work"] = t[f"{kind}_single"]
+    for kind in ("train", "infer"):  # one call's time, from the M (T) calls'
         t[f"{kind}_single"] = t[f"{kind}_single_work"] / members
     tag = f"M = {members}"
     at = f" (batch {batch})"
