@@ -17,7 +17,7 @@ import statistics
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -125,7 +125,7 @@ def one_thread(device: torch.device) -> Iterator[None]:
 ROUNDS = 5  # rounds per figure: each one median of its share of the interleaved repeats
 
 
-def side_by_side(fns: dict[str, Callable[[], object]], device: torch.device, repeats: int = 10,
+def side_by_side(fns: Mapping[str, Callable[[], object]], device: torch.device, repeats: int = 10,
                  warmup: int = 2, rounds: int = ROUNDS) -> dict[str, Measured]:
     """Seconds per call of each callable, timed interleaved (order reversed every other
     repeat) after ``warmup`` untimed calls of each: a :class:`Measured` whose rounds are the
