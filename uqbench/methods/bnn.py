@@ -397,20 +397,27 @@ def _elbo_terms(x: torch.Tensor, y: torch.Tensor, plan: Plan, params: list[torch
     return _nll(_predictive(mean, var, d, variance, link, min_var), y), kl
 
 
+# Python floats (slopes, prior stds) compiled in as constants: traced as symbolic numbers they
+# trip a guard that dynamo itself reports as its bug. A compilation that fails (no C++ compiler
+# on the machine, say) runs the same function eagerly, with torch's warning, instead of failing.
+_COMPILE_CONFIG = {"specialize_float": True, "suppress_errors": True}
+
+
 @functools.cache
 def _compiled_elbo_terms() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """:func:`_elbo_terms` through torch.compile, built on first use. Python floats of the plan
-    (slopes, prior stds) are compiled in as constants: traced as symbolic numbers they trip a
-    guard that dynamo itself reports as its bug."""
+    """:func:`_elbo_terms` through torch.compile (:data:`_COMPILE_CONFIG`), built on first
+    use."""
     compiled = torch.compile(_elbo_terms)
-    return torch._dynamo.config.patch(specialize_float=True)(compiled)  # type: ignore[no-any-return]
+    return torch._dynamo.config.patch(_COMPILE_CONFIG)(compiled)  # type: ignore[no-any-return]
 
 
 @functools.cache
 def _compiled_fused_pass() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """MomentSequential.forward_fused through torch.compile, built on first use. One for all
-    networks: it takes the network as an argument, and nets of the same structure share code."""
-    return torch.compile(MomentSequential.forward_fused)
+    """MomentSequential.forward_fused through torch.compile (:data:`_COMPILE_CONFIG`), built on
+    first use. One for all networks: it takes the network as an argument, and nets of the same
+    structure share code."""
+    compiled = torch.compile(MomentSequential.forward_fused)
+    return torch._dynamo.config.patch(_COMPILE_CONFIG)(compiled)  # type: ignore[no-any-return]
 
 
 @contextlib.contextmanager
