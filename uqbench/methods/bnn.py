@@ -25,8 +25,9 @@ How the analytic pass is computed (:meth:`BayesianMLP.moment_pass`) changes its 
 numbers (they agree to rounding, gradients included): ``fused: true`` evaluates the same closed
 forms with fewer passes over memory (``forward_fused`` of :mod:`uqbench.methods.moments.layers`),
 ``fused: false`` runs the reference layers; ``compile: true`` also runs it through torch.compile:
-the training loss (the fused pass, the KL, the variance head and the NLL, with their backward, as
-one compiled graph shared by every network of the same depth) and inference passes. A P2
+the training loss of ``training: moments`` with the diagonal pass (the fused pass, the KL, the
+variance head and the NLL, with their backward, as one compiled graph shared by every network of
+the same depth and variance) and inference passes. A P2
 training step of a hundred rows is a few hundred small operations, which compiled code runs
 as a few loops; the compilation takes seconds (tens cold) once per process and structure.
 
