@@ -404,21 +404,22 @@ def _elbo_terms(x: torch.Tensor, y: torch.Tensor, plan: Plan, params: list[torch
 _COMPILE_CONFIG = {"specialize_float": True, "suppress_errors": True}
 
 
+def _compile(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` through torch.compile, traced and run under :data:`_COMPILE_CONFIG`."""
+    return torch._dynamo.config.patch(_COMPILE_CONFIG)(torch.compile(fn))  # type: ignore[no-any-return]
+
+
 @functools.cache
 def _compiled_elbo_terms() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """:func:`_elbo_terms` through torch.compile (:data:`_COMPILE_CONFIG`), built on first
-    use."""
-    compiled = torch.compile(_elbo_terms)
-    return torch._dynamo.config.patch(_COMPILE_CONFIG)(compiled)  # type: ignore[no-any-return]
+    """:func:`_elbo_terms` through :func:`_compile`, built on first use."""
+    return _compile(_elbo_terms)
 
 
 @functools.cache
 def _compiled_fused_pass() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """MomentSequential.forward_fused through torch.compile (:data:`_COMPILE_CONFIG`), built on
-    first use. One for all networks: it takes the network as an argument, and nets of the same
-    structure share code."""
-    compiled = torch.compile(MomentSequential.forward_fused)
-    return torch._dynamo.config.patch(_COMPILE_CONFIG)(compiled)  # type: ignore[no-any-return]
+    """MomentSequential.forward_fused through :func:`_compile`, built on first use. One for all
+    networks: it takes the network as an argument, and nets of the same structure share code."""
+    return _compile(MomentSequential.forward_fused)
 
 
 @contextlib.contextmanager
