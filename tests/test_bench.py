@@ -209,9 +209,14 @@ def test_ensemble_figures_tiny_vit(monkeypatch):
     from uqbench.bench import ensembles
 
     monkeypatch.setattr(ensembles, "_tu", lambda: None)
-    rows = ensembles.time_rows(ensembles.MODELS["tiny_vit"], 2, 4, CPU, repeats=1, anchors=True,
+    rows = ensembles.time_rows(ensembles.MODELS["tiny_vit"], 2, 4, CPU, repeats=6, anchors=True,
                                baselines=True)
     figures = {r.figure: r for r in rows}
+    # the targeted pairs get every round asked for, the rows without a target fewer
+    rounds = {len(r.ours.rounds) for r in rows if isinstance(r.ours, Measured)}
+    assert {len(r.ours.rounds) for r in rows if r.target is not None
+            and isinstance(r.ours, Measured)} == {6}
+    assert rounds == {6, ensembles.OTHER_ROUNDS} and ensembles.OTHER_ROUNDS < 6
     for figure in ("BatchEnsemble M = 2 training step / single (batch 4)",
                    "BLoB inference, 2 draws / single (batch 4)",
                    "MAP LoRA (Laplace-LoRA's training) step / single (batch 4)"):
@@ -222,7 +227,7 @@ def test_ensemble_figures_tiny_vit(monkeypatch):
     assert mcd.target == pytest.approx(1.1) and mcd.anchor_value is None
     assert "torch-uncertainty not installed" in mcd.note
     de = figures["Deep Ensemble M = 2 training step / 2 single steps (batch 4)"]
-    assert de.target == pytest.approx(1.1) and len(de.ours.rounds) == 1
+    assert de.target == pytest.approx(1.1) and len(de.ours.rounds) == 6
     state = figures["SVE M = 2 trainable state / Deep Ensemble M = 2's (batch 4)"]
     assert 0 < state.ours < 100
 
@@ -248,14 +253,14 @@ def test_ensemble_timings_run_on_one_thread_and_say_so(monkeypatch):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
-    assert seen == [1, 1]                                     # training steps, inference calls
+    assert seen == [1, 1, 1, 1]  # training steps, inference calls: targeted pairs, the others
     sections = {r.section for r in rows if "training step" in r.figure}
     assert sections == {"Ensembles: time (tiny ViT, 16 px, one thread)"}
 
 
 def test_the_single_model_is_timed_as_m_consecutive_calls(monkeypatch):
-    """Beside an M-member ensemble, each round (and the warm-up) calls the single model M times
-    in a row, the others once."""
+    """Beside an M-member ensemble, each round (and the warm-up) of the targeted pairs calls the
+    single model M times in a row, the others once; the untargeted rows' rounds call it once."""
     from uqbench.bench import ensembles
 
     calls: dict[str, list[str]] = {"train": [], "infer": []}
@@ -269,9 +274,9 @@ def test_the_single_model_is_timed_as_m_consecutive_calls(monkeypatch):
     monkeypatch.setattr(ensembles, "_tu", lambda: None)
     monkeypatch.setattr(ensembles, "peak_bytes", lambda *a, **k: 1)  # no extra steps
     ensembles.time_rows(ensembles.MODELS["tiny_vit"], 3, 2, CPU, repeats=2, anchors=True)
-    rounds = ensembles.WARMUP + 2
-    assert calls["train"].count("single") == 3 * rounds
-    assert calls["infer"].count("single") == 3 * rounds
+    rounds = ensembles.WARMUP + 2                        # both blocks: 2 ≤ OTHER_ROUNDS rounds
+    assert calls["train"].count("single") == 3 * rounds + rounds
+    assert calls["infer"].count("single") == 3 * rounds + rounds
     assert calls["infer"].count("mcdo_t3_p0.1") == rounds
 
 
