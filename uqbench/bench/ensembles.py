@@ -6,9 +6,11 @@ from their configs exactly as a run builds them, then timed together on one CPU 
 the rounds of one process, a call's time at two threads ranged over about a third of it, at
 one thread over about a tenth, for the same seconds per call at half the batch), in rounds of
 one training step (forward, backward, AdamW step) and one inference call (no grad) per method
-after one untimed call. Figures are ratios: SVE / Deep Ensemble, Deep Ensemble / M single
-steps and MC-Dropout (T passes) / T single inferences (the single model's M or T consecutive
-calls: the work claimed, timed as long as the figure it divides), LoRA-Ensemble / single,
+after one untimed call: the methods whose figures have a target in ``repeats`` rounds of their
+own, the others apart in :data:`OTHER_ROUNDS`. Figures are ratios: SVE / Deep Ensemble, Deep
+Ensemble / M single steps and MC-Dropout (T passes) / T single inferences (the single model's
+M or T consecutive calls: the work claimed, timed as long as the figure it divides),
+LoRA-Ensemble / single,
 with torch-uncertainty's Deep-Ensemble and MC-Dropout wrappers on the same network as
 anchors. Memory: the peak of a training step, the trainable state (parameters +
 gradients + optimiser state) and the memory of the targeted layers (SVE, its top-k form and
@@ -236,10 +238,10 @@ def time_rows(model: Model, members: int, batch: int, device: torch.device, repe
             mcd.head.weight.shape[-1], CLASSES)), text).to(device)
         steppers["tu_mcd"] = PlainStepper(mc_dropout(tu_net, num_estimators=members,
                                                      on_batch=True), ids, labels)
-    # the targeted pairs are timed in their own rounds, only they (the single model as M (T)
-    # consecutive calls, the work a Deep Ensemble (MC-Dropout) claims to equal: a denominator as
-    # long as the figure it divides), so each round is short and its two figures close in time;
-    # the rows without a target are timed in fewer rounds of their own
+    # the figures with a target are timed in rounds of their own, short ones, so that each
+    # ratio's two figures are close in time (the single model as M (T) consecutive calls, the
+    # work a Deep Ensemble (MC-Dropout) claims to equal: a denominator as long as the figure it
+    # divides); the rows without a target are timed apart, in OTHER_ROUNDS rounds
     claimed = {"train": ("sve", "de"), "infer": ("sve", "de", "mcd")}
     untargeted = {"train": ("lora", "be", "blob", "map_lora", "plain", "tu_de"),
                   "infer": ("lora", "be", "blob", "plain", "tu_mcd")}
