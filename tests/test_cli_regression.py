@@ -159,7 +159,7 @@ def test_nan_loss_leaves_no_results(tmp_path):
 @pytest.mark.slow
 def test_multirun_then_tables(tmp_path, capsys):
     run_cli("experiment=p2_width_sweep", *TINY, f"paths.runs_dir={tmp_path}",
-            "backbone.width=4,8", "seed=0,1")
+            "backbone.width=4,8", "stack_seeds=[0,1]")
     assert len(list(tmp_path.rglob("results.json"))) == 2 * 2 * 2
     out = tmp_path / "tables"
     tables_main(["--runs", str(tmp_path), "--out", str(out)])

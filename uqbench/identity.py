@@ -31,7 +31,7 @@ from typing import Any
 RECORD_KEYS = frozenset({
     "paths", "skip_existing", "overwrite", "save_predictions", "plot", "device", "torch_threads",
     "logger", "run_dir", "run_subdir", "run_name", "hydra", "table", "resume", "eval_run",
-    "objective"})
+    "objective", "stack_seeds"})
 # The reserved top-level key of an experiment's lookup tables (see the module's docstring).
 LOOKUP = "lookup"
 # Lookup tables that runs stored at the top level before ``lookup:`` existed.

@@ -13,6 +13,7 @@ so that the training loop can clip each member's gradient on its own.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,35 @@ class Method(nn.Module):
 
     def settings(self) -> dict[str, Any]:
         return {}
+
+    @classmethod
+    def stack_refusal(cls, settings: dict[str, Any]) -> str | None:
+        """Why runs of this method with the config's ``settings`` cannot train side by side
+        in one job (``stack_seeds``), or None when they can: when a training step draws no
+        random numbers (each member's data order is then its own random stream, as in its own
+        job). Not by default."""
+        return (f"method '{settings.get('name', cls.name)}' does not declare that its runs "
+                f"can train side by side")
+
+    @staticmethod
+    def stacked_losses(members: Sequence[Method], batches: Sequence[Batch],
+                       stacked: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """Each member's training loss on its own batch, shape (R,): what a job that trains
+        the members side by side sums and differentiates (each member's parameters get their
+        own loss's gradient). A method may compute them together, faster. ``stacked``: the
+        members' parameters side by side, (R, …) each in the order of ``parameters()``, for
+        members that :meth:`trains_stacked`: the losses are then computed from those."""
+        if stacked is not None:
+            raise ValueError(f"method '{members[0].name}' computes its members' losses from "
+                             f"their own parameters, not stacked ones")
+        return torch.stack([m.loss(b) for m, b in zip(members, batches, strict=True)])
+
+    @staticmethod
+    def trains_stacked(members: Sequence[Method]) -> bool:
+        """Whether :meth:`stacked_losses` can compute these members' losses from their
+        parameters stacked side by side (the job then trains one (R, …) tensor per parameter,
+        fewer and larger optimiser updates). Not by default."""
+        return False
 
     def diagnostics(self, inputs: torch.Tensor) -> dict[str, float]:
         """Checks of the trained model on test inputs (B, …) that only this method can make

@@ -47,7 +47,7 @@ import contextlib
 import functools
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -286,8 +286,7 @@ class BayesianMLP(Method):
         The NLL's mean and var come from one moment pass (``training: moments``) or from
         ``train_samples`` weight draws (``training: sampling``; unbiased sample variance)."""
         x, y = batch
-        if self.training_mode == "moments" and self.covariance == "diagonal" and self.fused \
-                and self._one_node:
+        if self._fused_loss():
             # the fused pass and the KL as one autograd node: the same numbers, fewer ops
             elbo = _compiled_elbo_terms() if self.compiled else _elbo_terms
             nll, kl = elbo(x, y, *fused_plan(self.net), self.out_dim, self.variance,
@@ -297,6 +296,54 @@ class BayesianMLP(Method):
                    if self.training_mode == "sampling" else self._moments(x))
             nll, kl = _nll(out, y), self.net.kl()
         return nll + self.kl_weight * share * kl
+
+    def _fused_loss(self) -> bool:
+        """Whether the training loss takes the fused node (moments and KL in one)."""
+        return (self.training_mode == "moments" and self.covariance == "diagonal"
+                and self.fused and self._one_node)
+
+    @classmethod
+    def stack_refusal(cls, settings: dict[str, Any]) -> str | None:
+        training = settings.get("training", "moments")
+        if training != "moments":
+            return (f"method.training={training} draws weights at every step, so side-by-side "
+                    f"runs would draw other numbers than their own jobs; stack runs of "
+                    f"method.training=moments")
+        return None
+
+    @staticmethod
+    def trains_stacked(members: Sequence[Method]) -> bool:
+        """Members of one structure whose loss takes the fused node, each parameter of which
+        is one of the node's (in the node's order): one batched network can hold them."""
+        nets = [m for m in members if isinstance(m, BayesianMLP) and m._fused_loss()]
+        if len(nets) < len(members):
+            return False
+        plans = [fused_plan(m.net) for m in nets]
+        kinds = {(plan, tuple(p.shape for p in params), m.out_dim, m.variance,
+                  m.variance_link, m.min_var, m.compiled)
+                 for (plan, params), m in zip(plans, nets, strict=True)}
+        return len(kinds) == 1 and all(
+            [id(p) for p in m.parameters()] == [id(p) for p in params]
+            for (_, params), m in zip(plans, nets, strict=True))
+
+    @staticmethod
+    def stacked_losses(members: Sequence[Method], batches: Sequence[Batch],
+                       stacked: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """The members' ELBOs, (R,). Members that :meth:`trains_stacked` run as one batched
+        network (:mod:`~uqbench.methods.moments.step`: the operations of one network for all
+        of them), compiled when they are, from ``stacked`` or their own parameters stacked
+        here; others one by one."""
+        shapes = {tuple(t.shape for t in b) for b in batches}
+        if len(shapes) > 1 or not BayesianMLP.trains_stacked(members):
+            return Method.stacked_losses(members, batches, stacked)
+        nets = [m for m in members if isinstance(m, BayesianMLP)]
+        first = nets[0]
+        params = (list(stacked) if stacked is not None else
+                  [torch.stack(own) for own in zip(*(m.parameters() for m in nets), strict=True)])
+        elbo = _compiled_batched_elbo() if first.compiled else _batched_elbo
+        return elbo(torch.stack([b[0] for b in batches]), torch.stack([b[1] for b in batches]),
+                    fused_plan(first.net)[0], params, tuple(m.kl_weight for m in nets),
+                    first.out_dim, first.variance, first.variance_link, first.min_var)
 
     # -- moments vs Monte Carlo ----------------------------------------------------------------
     @torch.no_grad()
@@ -380,8 +427,8 @@ def _predictive(mean: torch.Tensor, var: torch.Tensor, d: int, variance: str, li
     if variance == "embedded":
         return RegressionOutput(mean, var + min_var)
     # E[link(a₂)] under a₂'s propagated Gaussian: what MC inference estimates by sampling
-    aleatoric = expected_link(link, mean[:, d:], var[:, d:]) + min_var
-    return RegressionOutput(mean[:, :d], var[:, :d] + aleatoric, aleatoric)
+    aleatoric = expected_link(link, mean[..., d:], var[..., d:]) + min_var
+    return RegressionOutput(mean[..., :d], var[..., :d] + aleatoric, aleatoric)
 
 
 def _nll(out: RegressionOutput, y: torch.Tensor) -> torch.Tensor:
@@ -398,10 +445,26 @@ def _elbo_terms(x: torch.Tensor, y: torch.Tensor, plan: Plan, params: list[torch
     return _nll(_predictive(mean, var, d, variance, link, min_var), y), kl
 
 
+def _batched_elbo(x: torch.Tensor, y: torch.Tensor, plan: Plan, params: list[torch.Tensor],
+                  weights: tuple[float, ...], d: int, variance: str, link: str,
+                  min_var: float) -> torch.Tensor:
+    """Each member's NLL (summed over its batch) + β·KL, (R,), for R networks of one plan
+    side by side: inputs x, y (R, B, ·) and every parameter (R, …), member r's at [r]."""
+    mean, var, kl = planned_moments_and_kl(x, plan, params)
+    out = _predictive(mean, var, d, variance, link, min_var)
+    nll = 0.5 * (torch.log(2 * math.pi * out.var) + (y - out.mean) ** 2 / out.var)
+    return nll.flatten(1).sum(1) + kl * kl.new_tensor(weights)
+
+
 # Python floats (slopes, prior stds) compiled in as constants: traced as symbolic numbers they
 # trip a guard that dynamo itself reports as its bug. A compilation that fails (no C++ compiler
 # on the machine, say) runs the same function eagerly, with torch's warning, instead of failing.
-_COMPILE_CONFIG = {"specialize_float": True, "suppress_errors": True}
+# Parameters of other shapes and layers of other sizes (the widths of a sweep in one worker
+# process) share a graph with dynamic sizes rather than one graph per width, which would reach
+# dynamo's recompile limit (8) within one sweep and run the rest eagerly.
+_COMPILE_CONFIG = {"specialize_float": True, "suppress_errors": True,
+                   "force_parameter_static_shapes": False,
+                   "allow_unspec_int_on_nn_module": True}
 
 
 def _compile(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -413,6 +476,12 @@ def _compile(fn: Callable[..., Any]) -> Callable[..., Any]:
 def _compiled_elbo_terms() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """:func:`_elbo_terms` through :func:`_compile`, built on first use."""
     return _compile(_elbo_terms)
+
+
+@functools.cache
+def _compiled_batched_elbo() -> Callable[..., torch.Tensor]:
+    """:func:`_batched_elbo` through :func:`_compile`, built on first use."""
+    return _compile(_batched_elbo)
 
 
 @functools.cache

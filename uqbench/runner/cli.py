@@ -24,16 +24,21 @@ from uqbench.errors import traceback_wanted, user_errors
 from uqbench.runner import engine, objective
 from uqbench.runner.eval_job import eval_job
 from uqbench.runner.parts import check_config
+from uqbench.runner.stacked import stacked_job, stacked_seeds
 from uqbench.runner.train_job import train_job
 from uqbench.runner.training import NonFiniteLossError, Preempted
 
 log = logging.getLogger("uqbench")
 
 
-def run(cfg: DictConfig) -> dict[str, Any]:
+def run(cfg: DictConfig) -> dict[str, Any] | list[dict[str, Any]]:
     """Train and evaluate one configuration (or count its parameters: ``job=params``, or score
-    a finished one: ``job=eval``); return the results dict (also written to disk)."""
+    a finished one: ``job=eval``); return the results dict (also written to disk). With
+    ``stack_seeds``, the seeds train side by side and each member's results come back, in
+    order (:mod:`uqbench.runner.stacked`)."""
     check_config(cfg)
+    if stacked_seeds(cfg) is not None:
+        return stacked_job(cfg)
     if cfg.get("job", "train") == "eval":
         return eval_job(cfg)
     return train_job(cfg)
@@ -68,14 +73,19 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     """One job; returns its validation objective (``objective``) for a sweeper that reads it."""
     with _stops(cfg), user_errors(on_error=lambda: _drop_log_only_folder(cfg)):
         try:
-            results = run(cfg)
+            outcome = run(cfg)
         except NonFiniteLossError as err:
             return _diverged(err)
-        value = (objective.value(cfg.get("objective"), results)
-                 if cfg.get("job", "train") == "train" else None)
-    summary = {k: round(v, 4) for k, v in results["metrics"].items()
-               if k.split("/")[0] in ("test", "ood") and k.count("/") == 1}
-    print(f"{results['run']}: " + ", ".join(f"{k}={v}" for k, v in summary.items()))
+        runs = outcome if isinstance(outcome, list) else [outcome]
+        # a stacked job's objective: its members' mean
+        values = ([objective.value(cfg.get("objective"), results) for results in runs]
+                  if cfg.get("job", "train") == "train" else [])
+        known = [v for v in values if v is not None]
+        value = sum(known) / len(known) if known and len(known) == len(values) else None
+    for results in runs:
+        summary = {k: round(v, 4) for k, v in results["metrics"].items()
+                   if k.split("/")[0] in ("test", "ood") and k.count("/") == 1}
+        print(f"{results['run']}: " + ", ".join(f"{k}={v}" for k, v in summary.items()))
     return value
 
 

@@ -201,19 +201,28 @@ def _train(fabric: Any, cfg: DictConfig, folder: RunFolder, trainer: Any, header
         del resume_state  # the checkpoint's tensors, before scoring needs the memory
         if isinstance(train, Preempted):
             return train if rank0 else None
-        scored = _score(built, fabric.device)
-        keep = trainer.keep_checkpoint != "none" and trainer.updates_weights
-        trained = engine.trainable_state(fabric, built.model, built.method) if keep else None
-        if not rank0:
-            return None
-        results = _results(cfg, config, header, trainer, fabric, fallback, built, train, scored)
-        final = _final_checkpoint(folder.run_dir, config, cfg, trainer, trained) if keep else None
-        plot = cfg.plot and built.splits.every  # the figures draw the test and OOD data
-        draw = _drawer(cfg, built, scored, fabric.device) if plot else None
-        publish_run(cfg, folder, config, results, scored.predictions, draw, logger, final)
-        shutil.rmtree(folder.run_dir / Path(checkpoints.RESUME).parent, ignore_errors=True)
+        return conclude(cfg, folder, config, header, trainer, fabric, fallback, built, train,
+                        logger, rank0)
     finally:
         logger.finish(failed=True)  # a no-op after a published run closed it: this one failed
+
+
+def conclude(cfg: DictConfig, folder: RunFolder, config: dict, header: dict, trainer: Any,
+             fabric: Any, fallback: str | None, built: Built, train: dict[str, Any],
+             logger: Logger, rank0: bool = True) -> dict[str, Any] | None:
+    """After the fit: score the trained model, then (rank 0) assemble results.json, publish
+    the run folder with its checkpoint and figures, and drop the resume checkpoint."""
+    scored = _score(built, fabric.device)
+    keep = trainer.keep_checkpoint != "none" and trainer.updates_weights
+    trained = engine.trainable_state(fabric, built.model, built.method) if keep else None
+    if not rank0:
+        return None
+    results = _results(cfg, config, header, trainer, fabric, fallback, built, train, scored)
+    final = _final_checkpoint(folder.run_dir, config, cfg, trainer, trained) if keep else None
+    plot = cfg.plot and built.splits.every  # the figures draw the test and OOD data
+    draw = _drawer(cfg, built, scored, fabric.device) if plot else None
+    publish_run(cfg, folder, config, results, scored.predictions, draw, logger, final)
+    shutil.rmtree(folder.run_dir / Path(checkpoints.RESUME).parent, ignore_errors=True)
     return results
 
 
@@ -298,7 +307,8 @@ def _results(cfg: DictConfig, config: dict, header: dict, trainer: Any, fabric: 
                   "device": str(fabric.device), "device_note": fallback,
                   "precision": trainer.precision, "strategy": type(fabric.strategy).__name__,
                   "world_size": fabric.world_size, "accumulate": trainer.accumulate,
-                  "steps_run": train["steps_run"], "resumed_at": train.get("resumed_at")},
+                  "steps_run": train["steps_run"], "resumed_at": train.get("resumed_at"),
+                  "stacked_with": train.get("stacked_with")},
         "table": config.get("table"),
     }
     return results | {"recipe": parts.recipes_used(config, results)}  # the rows a table marks

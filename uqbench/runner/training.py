@@ -67,6 +67,17 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
     return 1.0
 
 
+def schedule(optimizer: torch.optim.Optimizer, trainer: Trainer, steps_per_epoch: int) -> Any:
+    """The learning-rate schedule of ``trainer`` (warm-up, then constant or cosine) over its
+    epochs of ``steps_per_epoch`` optimiser steps, stepped once per optimiser step."""
+    total = trainer.epochs * steps_per_epoch
+    # warm-up in optimiser steps when given (LoRA-Ensemble's recipe), else in epochs
+    warmup = (trainer.warmup_steps if trainer.warmup_steps is not None
+              else trainer.warmup_epochs * steps_per_epoch)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, total, warmup, trainer.schedule))
+
+
 def progress_mode(progress: bool | str | None, tty: bool | None = None) -> str:
     """How training reports its epochs: ``bar`` (a tqdm bar, for a terminal), ``lines`` (one
     log line per epoch, for a log file, SLURM or CI, where a bar's carriage returns pile up) or
@@ -284,13 +295,7 @@ class _Loop:
         return sizes
 
     def _schedule(self) -> Any:
-        trainer = self.trainer
-        total = trainer.epochs * len(self.sizes)
-        # warm-up in optimiser steps when given (LoRA-Ensemble's recipe), else in epochs
-        warmup = (trainer.warmup_steps if trainer.warmup_steps is not None
-                  else trainer.warmup_epochs * len(self.sizes))
-        return torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, total, warmup, trainer.schedule))
+        return schedule(self.optimizer, self.trainer, len(self.sizes))
 
     def resume(self, resume: dict[str, Any]) -> None:
         """Continue from a checkpoint: weights, optimiser, schedule, precision state, position;

@@ -17,10 +17,16 @@ the KL and each activation's Φ and φ between its forward and backward:
 The numbers are those of ``MomentSequential.forward_fused`` and ``MomentSequential.kl`` to
 rounding, gradients included (``tests/test_moments_step.py``); the BNN uses it for the diagonal
 pass's training loss (``training: moments``, ``fused: true``).
+
+R networks of one plan side by side (seeds trained in one job): inputs (R, B, in) and every
+parameter stacked to (R, …) give the same closed forms per member through batched matrix
+products, and the KL per member, (R,); the operations, and so the per-operation time, are
+those of one network.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -56,7 +62,8 @@ class _MomentsAndKL(torch.autograd.Function):
         var: torch.Tensor | None = None  # the data: deterministic
         saved: list[Any] = []
         sigmas: list[torch.Tensor] = []
-        kl = x.new_zeros(())
+        members = x.dim() == 3  # R networks side by side: x (R, B, in), parameters (R, …)
+        kl = x.new_zeros(x.shape[:-2])  # (): one network's KL; (R,): each member's
         it = iter(params)
         for kind, value in plan:
             if kind == "act":
@@ -68,13 +75,13 @@ class _MomentsAndKL(torch.autograd.Function):
             w_sig, b_sig = F.softplus(w_rho), F.softplus(b_rho)
             w_var, b_var = w_sig * w_sig, b_sig * b_sig
             second = mean * mean
-            out_mean = F.linear(mean, w, b)
-            out_var = torch.addmm(b_var, second, w_var.T)
+            out_mean = _addmm(b, mean, w)
+            out_var = _addmm(b_var, second, w_var)
             if var is not None:
-                out_var = torch.addmm(out_var, var, (w * w + w_var).T)
+                out_var = _addmm(out_var, var, w * w + w_var)
             saved.append((mean, var, second, w_var))
             sigmas += [w_sig, b_sig]
-            kl = kl + normal_kl(w, w_sig, value) + normal_kl(b, b_sig, value)
+            kl = kl + _kl(w, w_sig, value, members) + _kl(b, b_sig, value, members)
             mean, var = out_mean, out_var
         ctx.plan, ctx.saved = plan, saved
         ctx.save_for_backward(*params, *sigmas)
@@ -96,19 +103,22 @@ class _MomentsAndKL(torch.autograd.Function):
             w, w_rho, b, b_rho = params[4 * layer: 4 * layer + 4]
             w_sig, b_sig = sigmas[2 * layer], sigmas[2 * layer + 1]
             mean, var, second, w_var = saved
-            g_var_t = g_var.T
-            g_w = g_mean.T @ mean
+            g_var_t = g_var.mT
+            g_w = g_mean.mT @ mean
             g_w_var = g_var_t @ (second if var is None else second + var)
             if var is not None:
                 g_w = g_w + 2 * w * (g_var_t @ var)
-            g_b, g_b_var = g_mean.sum(0), g_var.sum(0)
+            g_b, g_b_var = g_mean.sum(-2), g_var.sum(-2)
             inv_p2 = 1.0 / value ** 2
+            # the KL's gradient: one number, or one per member (R,) against (R, …) parameters
+            kl_w, kl_b = (g_kl, g_kl) if g_kl.dim() == 0 else (g_kl[:, None, None],
+                                                               g_kl[:, None])
             # ∂/∂σ of the moments' σ² and of the KL, then through σ = softplus(ρ)
-            g_w_sig = 2 * w_sig * g_w_var + g_kl * (w_sig * inv_p2 - 1 / w_sig)
-            g_b_sig = 2 * b_sig * g_b_var + g_kl * (b_sig * inv_p2 - 1 / b_sig)
+            g_w_sig = 2 * w_sig * g_w_var + kl_w * (w_sig * inv_p2 - 1 / w_sig)
+            g_b_sig = 2 * b_sig * g_b_var + kl_b * (b_sig * inv_p2 - 1 / b_sig)
             grads[4 * layer: 4 * layer + 4] = [
-                g_w + g_kl * inv_p2 * w, g_w_sig * torch.sigmoid(w_rho),
-                g_b + g_kl * inv_p2 * b, g_b_sig * torch.sigmoid(b_rho)]
+                g_w + kl_w * inv_p2 * w, g_w_sig * torch.sigmoid(w_rho),
+                g_b + kl_b * inv_p2 * b, g_b_sig * torch.sigmoid(b_rho)]
             if layer > 0 or ctx.needs_input_grad[0]:  # the data's gradient: when asked for
                 g_mean, g_var = (_mm(g_mean, w).addcmul_(mean, _mm(g_var, w_var), value=2),
                                  _mm(g_var, w * w + w_var) if var is not None else g_var)
@@ -116,14 +126,33 @@ class _MomentsAndKL(torch.autograd.Function):
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a (B, k) @ b (k, n); for k ≤ 2 (the output layer's one or two units) as k outer
+    """a (…, B, k) @ b (…, k, n); for k ≤ 2 (the output layer's one or two units) as k outer
     products: a CPU matrix product that thin takes about twice as long (measured at k = 2)."""
-    if a.shape[1] > 2:
+    if a.shape[-1] > 2:
         return a @ b
-    out = a[:, :1] * b[:1]
-    for k in range(1, a.shape[1]):
-        out.addcmul_(a[:, k:k + 1], b[k:k + 1])
+    out = a[..., :1] * b[..., :1, :]
+    for k in range(1, a.shape[-1]):
+        out.addcmul_(a[..., k:k + 1], b[..., k:k + 1, :])
     return out
+
+
+def _addmm(c: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """c + a wᵀ for a layer's weight-shaped ``w`` (out, in), inputs a (B, in) and c (out,) or
+    (B, out); or, R members side by side, w (R, out, in), a (R, B, in), c (R, out) or
+    (R, B, out)."""
+    if a.dim() == 2:
+        return torch.addmm(c, a, w.T)
+    return torch.baddbmm(c if c.dim() == 3 else c.unsqueeze(1), a, w.mT)
+
+
+def _kl(mu: torch.Tensor, sigma: torch.Tensor, prior_std: float, members: bool
+        ) -> torch.Tensor:
+    """:func:`normal_kl` of one network's parameter, or with ``members`` each member's (R,)
+    of an (R, …) one."""
+    if not members:
+        return normal_kl(mu, sigma, prior_std)
+    return (math.log(prior_std) - torch.log(sigma)
+            + (sigma ** 2 + mu ** 2) / (2 * prior_std ** 2) - 0.5).flatten(1).sum(1)
 
 
 Plan = tuple[tuple[str, float], ...]
