@@ -11,7 +11,7 @@ export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
 .DEFAULT_GOAL := help
-.PHONY: help setup demo test test-slow tables p1-tables lint bench clean-runs data latex
+.PHONY: help setup demo demo-time test test-slow tables p1-tables lint bench clean-runs data latex
 
 help:  ## Show this help
 	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
@@ -25,15 +25,21 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)  ## Create .venv and install uqbench with pinned dependencies
 
+# DEMO_TABLES: where make demo writes its tables (its runs go to $UQBENCH_RUNS, default runs/)
+DEMO_TABLES ?= tables
+
 demo: $(STAMP)  ## P2 width sweep (embedded vs learned variance) and P1 parameter overhead, with tables
 	$(BIN)/uqbench experiment=p1_overhead skip_existing=true
 	$(BIN)/uqbench experiment=p1_overhead_lora skip_existing=true
 	$(BIN)/uqbench experiment=p2_width_sweep skip_existing=true trainer.progress=false \
 		hydra/launcher=local
-	$(BIN)/uqbench-tables --experiment p1_overhead
-	$(BIN)/uqbench-tables --experiment p2_width_sweep
+	$(BIN)/uqbench-tables --experiment p1_overhead --out $(DEMO_TABLES)
+	$(BIN)/uqbench-tables --experiment p2_width_sweep --out $(DEMO_TABLES)
 	@echo "Figures: tables/p2_width_sweep.png (NLL vs parameters) and one per run:"
 	@echo "  runs/p2_width_sweep/polynomial/<bnn_embedded|bnn_learned>/mlp_w<width>/seed<k>/figure.png"
+
+demo-time: $(STAMP)  ## Time make demo from empty runs and compile-cache folders → tables/demo.json
+	$(BIN)/python -m uqbench.bench.demo --out tables
 
 # Tests run in parallel processes (pytest-xdist); TEST_WORKERS=1 runs them in one.
 TEST_WORKERS ?= 2

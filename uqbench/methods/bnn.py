@@ -460,16 +460,19 @@ def _batched_elbo(x: torch.Tensor, y: torch.Tensor, plan: Plan, params: list[tor
 # trip a guard that dynamo itself reports as its bug. A compilation that fails (no C++ compiler
 # on the machine, say) runs the same function eagerly, with torch's warning, instead of failing.
 # Parameters of other shapes and layers of other sizes (the widths of a sweep in one worker
-# process) share a graph with dynamic sizes rather than one graph per width, which would reach
-# dynamo's recompile limit (8) within one sweep and run the rest eagerly.
+# process) share the graph with dynamic sizes rather than one graph per width, which would
+# reach dynamo's recompile limit (8) within one sweep and run the rest eagerly.
 _COMPILE_CONFIG = {"specialize_float": True, "suppress_errors": True,
                    "force_parameter_static_shapes": False,
                    "allow_unspec_int_on_nn_module": True}
 
 
 def _compile(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` through torch.compile, traced and run under :data:`_COMPILE_CONFIG`."""
-    return torch._dynamo.config.patch(_COMPILE_CONFIG)(torch.compile(fn))  # type: ignore[no-any-return]
+    """``fn`` through torch.compile, traced and run under :data:`_COMPILE_CONFIG`, with
+    dynamic sizes from the first call: one compilation serves every width and batch (a static
+    first graph would be compiled again at the second width, seconds more per process)."""
+    compiled = torch.compile(fn, dynamic=True)
+    return torch._dynamo.config.patch(_COMPILE_CONFIG)(compiled)  # type: ignore[no-any-return]
 
 
 @functools.cache

@@ -1,0 +1,30 @@
+"""`make demo-time` (uqbench.bench.demo): the demo runs in fresh folders and its time is kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+from uqbench.bench.demo import main
+
+
+def test_the_demo_runs_in_fresh_folders_and_its_wall_time_is_recorded(tmp_path):
+    seen = tmp_path / "seen.txt"
+    make = tmp_path / "fake-make"  # stands in for make: records what it was given, then waits
+    make.write_text("#!/bin/sh\n"
+                    f'echo "$@|$UQBENCH_RUNS|$TORCHINDUCTOR_CACHE_DIR" > {seen}\n'
+                    "sleep 0.3\n")
+    make.chmod(make.stat().st_mode | stat.S_IEXEC)
+    main(["--out", str(tmp_path / "tables"), "--make", str(make)])
+    args, runs, cache = seen.read_text().strip().split("|")
+    assert args.startswith("demo DEMO_TABLES=") and args.endswith("/tables")
+    assert runs.endswith("/runs") and cache.endswith("/compile-cache")
+    assert not os.path.exists(runs.rsplit("/", 1)[0])  # the temporary folder is gone
+    [record] = json.loads((tmp_path / "tables" / "demo.json").read_text())
+    assert 0.3 <= record["seconds"] < 30
+    assert record["minutes"] == round(record["seconds"] / 60, 2)
+    assert record["cpus"] == os.cpu_count()
+    main(["--out", str(tmp_path / "tables"), "--make", str(make), "--keep-compile-cache"])
+    assert seen.read_text().strip().split("|")[2] == os.environ.get("TORCHINDUCTOR_CACHE_DIR",
+                                                                    "")
