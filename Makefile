@@ -28,11 +28,15 @@ setup: $(STAMP)  ## Create .venv and install uqbench with pinned dependencies
 # DEMO_TABLES: where make demo writes its tables (its runs go to $UQBENCH_RUNS, default runs/)
 DEMO_TABLES ?= tables
 
+# P1's parameter counts (one process, one core) run beside the P2 sweep's first jobs.
 demo: $(STAMP)  ## P2 width sweep (embedded vs learned variance) and P1 parameter overhead, with tables
-	$(BIN)/uqbench experiment=p1_overhead skip_existing=true
-	$(BIN)/uqbench experiment=p1_overhead_lora skip_existing=true
+	($(BIN)/uqbench experiment=p1_overhead skip_existing=true && \
+		$(BIN)/uqbench experiment=p1_overhead_lora skip_existing=true) > .demo-p1.log 2>&1 & \
+	p1=$$!; \
 	$(BIN)/uqbench experiment=p2_width_sweep skip_existing=true trainer.progress=false \
-		hydra/launcher=local
+		hydra/launcher=local; sweep=$$?; \
+	wait $$p1 || { cat .demo-p1.log; echo "make demo: P1's parameter counts failed"; exit 1; }; \
+	cat .demo-p1.log; rm -f .demo-p1.log; exit $$sweep
 	$(BIN)/uqbench-tables --experiment p1_overhead --out $(DEMO_TABLES)
 	$(BIN)/uqbench-tables --experiment p2_width_sweep --out $(DEMO_TABLES)
 	@echo "Figures: tables/p2_width_sweep.png (NLL vs parameters) and one per run:"

@@ -469,8 +469,8 @@ _COMPILE_CONFIG = {"specialize_float": True, "suppress_errors": True,
 
 def _compile(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` through torch.compile, traced and run under :data:`_COMPILE_CONFIG`, with
-    dynamic sizes from the first call: one compilation serves every width and batch (a static
-    first graph would be compiled again at the second width, seconds more per process)."""
+    dynamic sizes from the first call: one compilation serves every width and batch, the same
+    graph in every worker process of a sweep (so the compile cache serves the second)."""
     compiled = torch.compile(fn, dynamic=True)
     return torch._dynamo.config.patch(_COMPILE_CONFIG)(compiled)  # type: ignore[no-any-return]
 
