@@ -331,11 +331,13 @@ class BayesianMLP(Method):
                        stacked: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """The members' ELBOs, (R,). Members that :meth:`trains_stacked` run as one batched
         network (:mod:`~uqbench.methods.moments.step`: the operations of one network for all
-        of them), compiled when they are, from ``stacked`` or their own parameters stacked
-        here; others one by one."""
-        shapes = {tuple(t.shape for t in b) for b in batches}
-        if len(shapes) > 1 or not BayesianMLP.trains_stacked(members):
-            return Method.stacked_losses(members, batches, stacked)
+        of them), compiled when they are, from ``stacked`` (given only for members that
+        :meth:`trains_stacked`, checked once by the caller rather than at every step) or their
+        own parameters stacked here; others one by one."""
+        if stacked is None:  # checked here; a caller that passes ``stacked`` checked once
+            shapes = {tuple(t.shape for t in b) for b in batches}
+            if len(shapes) > 1 or not BayesianMLP.trains_stacked(members):
+                return Method.stacked_losses(members, batches)
         nets = [m for m in members if isinstance(m, BayesianMLP)]
         first = nets[0]
         params = (list(stacked) if stacked is not None else

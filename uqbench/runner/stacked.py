@@ -211,7 +211,8 @@ def _fit(fabric: Any, trainer: Any, built: dict[int, Built],
     history: dict[int, list[tuple[int, dict[str, float]]]] = {s: [] for s in seeds}
     shown = progress_mode(trainer.progress)
     start, steps_run = time.perf_counter(), 0
-    scheduler = None
+    # the steps of an epoch: a loader's length draws no data order
+    scheduler = schedule(optimizer, trainer, len(built[seeds[0]].data.loader("train", train=True)))
     bar = tqdm(range(1, trainer.epochs + 1), desc=f"train {methods[0].name} × {len(seeds)}",
                disable=shown != "bar", dynamic_ncols=True, leave=False)
     for epoch in bar:
@@ -223,8 +224,6 @@ def _fit(fabric: Any, trainer: Any, built: dict[int, Built],
         if len({len(b) for b in batches}) > 1:
             raise ValueError(f"the members' training splits differ in size "
                              f"({[len(b) for b in batches]} batches): stack seeds of one dataset")
-        if scheduler is None:
-            scheduler = schedule(optimizer, trainer, len(batches[0]))
         for m in methods:
             m.train()
         running = torch.zeros(len(seeds), dtype=torch.float64)
@@ -234,9 +233,9 @@ def _fit(fabric: Any, trainer: Any, built: dict[int, Built],
                       for b in batches]
             with fabric.autocast():
                 losses = method.stacked_losses(methods, inputs, stacked)
-            if not bool(torch.isfinite(losses).all()):
-                bad = [s for s, v in zip(seeds, losses.tolist(), strict=True) if v != v
-                       or abs(v) == float("inf")]
+            finite = torch.isfinite(losses)
+            if not bool(finite.all()):
+                bad = [s for s, ok in zip(seeds, finite.tolist(), strict=True) if not ok]
                 raise NonFiniteLossError(
                     f"the training loss of seed {bad[0]} became non-finite at epoch {epoch}, "
                     f"step {step} of the stacked seeds {seeds}; lower trainer.optimizer.lr or "
@@ -248,9 +247,10 @@ def _fit(fabric: Any, trainer: Any, built: dict[int, Built],
             steps_run += 1
         _unstack(stacked, own)
         means = (running / len(batches[0])).tolist()
-        for s, b, mean in zip(seeds, (built[s] for s in seeds), means, strict=True):
+        for s, mean in zip(seeds, means, strict=True):
+            b = built[s]
             metrics = {"train/loss": mean, "epoch": epoch, "lr": scheduler.get_last_lr()[0]}
-            if b.data.has_val and (epoch % trainer.val_every == 0 or epoch == trainer.epochs):
+            if b.data.has_val and trainer.validates(epoch):
                 preds = b.task.predict(b.model, b.data.loader("val"), fabric.device)
                 metrics.update(b.task.metrics("val", preds))
             history[s].append((epoch, metrics))

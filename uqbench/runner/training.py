@@ -195,6 +195,11 @@ class Trainer:
                              f"the {task.name} task; with trainer.select=best choose one of "
                              f"{known}")
 
+    def validates(self, epoch: int) -> bool:
+        """Whether epoch ``epoch`` ends with a validation pass: every ``val_every``, and the
+        last."""
+        return epoch % self.val_every == 0 or epoch == self.epochs
+
     @property
     def world_size(self) -> int:
         """Processes that share one optimiser step (devices × nodes)."""
@@ -396,7 +401,7 @@ class _Loop:
         if fabric.world_size > 1:  # every process's share of each step's loss, summed
             mean_loss = float(fabric.all_reduce(torch.tensor(mean_loss), reduce_op="sum"))
         log = {"train/loss": mean_loss, "epoch": epoch, "lr": self.scheduler.get_last_lr()[0]}
-        if self.data.has_val and (epoch % trainer.val_every == 0 or epoch == trainer.epochs):
+        if self.data.has_val and trainer.validates(epoch):
             log.update(self._validate(epoch))
         if fabric.global_rank == 0:
             self.logger.log_metrics(log, step=epoch)
