@@ -222,12 +222,15 @@ def test_ensemble_figures_tiny_vit(monkeypatch):
                    "MAP LoRA (Laplace-LoRA's training) step / single (batch 4)"):
         assert figures[figure].ours > 0 and figures[figure].target is None
     assert figures["SVE M = 2 training step / Deep Ensemble M = 2 step (batch 4)"].ours > 0
-    # a claim of equal work is judged against that work, timed as long: T single inferences
+    # SVE's inference claims a Deep Ensemble's work: that work plus a tenth
+    sve = figures["SVE M = 2 inference / Deep Ensemble M = 2 inference (batch 4)"]
+    assert sve.target == pytest.approx(1.1) and len(sve.ours.rounds) == 6
+    # an ensemble over the work it is made of (T single inferences, timed as long): no target
     mcd = figures["MC-Dropout T = 2 inference / 2 single inferences (batch 4)"]
-    assert mcd.target == pytest.approx(1.1) and mcd.anchor_value is None
+    assert mcd.target is None and mcd.anchor_value is None
     assert "torch-uncertainty not installed" in mcd.note
     de = figures["Deep Ensemble M = 2 training step / 2 single steps (batch 4)"]
-    assert de.target == pytest.approx(1.1) and len(de.ours.rounds) == 6
+    assert de.target is None and len(de.ours.rounds) == ensembles.OTHER_ROUNDS
     state = figures["SVE M = 2 trainable state / Deep Ensemble M = 2's (batch 4)"]
     assert 0 < state.ours < 100
 
@@ -259,8 +262,9 @@ def test_ensemble_timings_run_on_one_thread_and_say_so(monkeypatch):
 
 
 def test_the_single_model_is_timed_as_m_consecutive_calls(monkeypatch):
-    """Beside an M-member ensemble, each round (and the warm-up) of the targeted pairs calls the
-    single model M times in a row, the others once; the untargeted rows' rounds call it once."""
+    """Beside an M-member ensemble, each round (and the warm-up) of the rows without a target
+    calls the single model M times in a row, the others once; the targeted pairs (SVE, the
+    Deep Ensemble) do not call it."""
     from uqbench.bench import ensembles
 
     calls: dict[str, list[str]] = {"train": [], "infer": []}
@@ -275,9 +279,13 @@ def test_the_single_model_is_timed_as_m_consecutive_calls(monkeypatch):
     monkeypatch.setattr(ensembles, "peak_bytes", lambda *a, **k: 1)  # no extra steps
     ensembles.time_rows(ensembles.MODELS["tiny_vit"], 3, 2, CPU, repeats=2, anchors=True)
     rounds = ensembles.WARMUP + 2                        # both blocks: 2 ≤ OTHER_ROUNDS rounds
-    assert calls["train"].count("single") == 3 * rounds + rounds
-    assert calls["infer"].count("single") == 3 * rounds + rounds
+    assert calls["train"].count("single") == 3 * rounds
+    assert calls["infer"].count("single") == 3 * rounds
     assert calls["infer"].count("mcdo_t3_p0.1") == rounds
+    # the Deep Ensemble's step in both blocks (against SVE, and against its M single steps);
+    # its inference against SVE's only
+    assert calls["train"].count("de_m3") == 2 * rounds + 1   # + the step before its peak
+    assert calls["infer"].count("de_m3") == rounds
 
 
 def test_targeted_layer_bytes_lora_by_hand():
