@@ -330,3 +330,65 @@ def test_one_top_k_memory_row_carries_the_target():
     assert top.verdict == ("met" if reaching else "missed")
     # top-k keeps W and k directions: memory grows with k
     assert ratios[1] < ratios[2] < ratios[8]
+
+
+def _rec(figure: str, verdict: str | None, target: float | None = 1.0,
+         span: tuple[float, float] = (0.9, 0.95)) -> dict:
+    return {"figure": figure, "target": target, "verdict": verdict,
+            "to_target_interval": list(span), "date": "2026-12-01"}
+
+
+def test_two_runs_verdicts_compared_row_by_row():
+    from uqbench.bench import repeat
+
+    before = [_rec("a", "met"), _rec("b", "met"), _rec("gone", "missed"),
+              _rec("plain", None, target=None)]
+    now = [_rec("a", "met"), _rec("b", "unclear", span=(0.97, 1.02)), _rec("new", "met"),
+           _rec("plain", None, target=None)]
+    rows = repeat.compare(before, now)
+    by = {r["figure"]: r for r in rows}
+    assert "plain" not in by                                # untargeted rows are not compared
+    assert by["a"]["repeated"] == "yes" and by["b"]["repeated"] == "no"
+    assert by["b"]["previous_verdict"] == "met" and by["b"]["to_target_interval"] == [0.97, 1.02]
+    assert by["new"]["repeated"] == "this run only" and not by["new"]["compared"]
+    assert by["gone"]["repeated"] == "previous run only"
+    assert rows[-1] == {"figure": repeat.SUMMARY, "rows": 2, "repeated": 1,
+                        "date": "2026-12-01", "previous_date": "2026-12-01"}
+    md = repeat.markdown(rows)
+    assert "1 of 2 targeted rows" in md and "| b | met | [0.900, 0.950] | unclear |" in md
+
+
+def test_a_finished_run_keeps_the_one_it_replaces_and_compares_them(tmp_path):
+    import uqbench.bench as bench
+    from uqbench.bench.report import Record
+
+    first = [Record("x", 0.5, "×", "cpu", target=1.0)]
+    bench.report.write(first, tmp_path, CPU, stem=bench.PARTIAL)     # a run stopped midway …
+    assert not (tmp_path / "bench.json").exists()                   # … replaces no whole run
+    bench.finish(first, tmp_path, CPU)
+    assert not list(tmp_path.glob("bench.partial.*"))
+    assert not (tmp_path / "bench_repeat.json").exists()             # nothing to compare yet
+    bench.finish([Record("x", 1.5, "×", "cpu", target=1.0)], tmp_path, CPU)
+    assert json.loads((tmp_path / "bench_previous.json").read_text())[0]["verdict"] == "met"
+    assert json.loads((tmp_path / "bench.json").read_text())[0]["verdict"] == "missed"
+    summary = json.loads((tmp_path / "bench_repeat.json").read_text())[-1]
+    assert summary["rows"] == 1 and summary["repeated"] == 0
+
+
+def test_the_wall_time_is_a_figure_against_the_half_hour():
+    import time
+
+    import uqbench.bench as bench
+
+    assert bench.wall_time(time.time() - 60 * 29, CPU).verdict == "met"
+    late = bench.wall_time(time.time() - 60 * 31, CPU)
+    assert late.verdict == "missed" and late.ours == pytest.approx(31, abs=0.1)
+
+
+def test_comparing_a_file_that_is_not_a_bench_json_names_it(tmp_path, capsys):
+    from uqbench.bench import repeat
+
+    (tmp_path / "x.json").write_text('{"a": 1}')
+    with pytest.raises(SystemExit):
+        repeat.main([str(tmp_path / "x.json"), str(tmp_path / "x.json"), "--out", str(tmp_path)])
+    assert "x.json: not a list of benchmark records" in capsys.readouterr().err

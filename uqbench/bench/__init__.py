@@ -6,7 +6,11 @@
   with torch-uncertainty's wrappers as anchors, and the targeted layers' memory, LLaMA-2-7B's
   included (:mod:`.ensembles`);
 and writes ``tables/bench.json`` (a list of records: figure, ours, anchor, anchor_value,
-target, unit, device, …) and ``tables/bench.md``. The anchors come from the optional ``bench``
+target, unit, device, …) and ``tables/bench.md`` when it has finished (while it measures, the
+figures so far go to ``bench.partial.json`` / ``.md``, so a stopped run never replaces a whole
+one). The run it replaces is kept as ``bench_previous.json``, and the two runs' verdicts are
+compared in ``bench_repeat.json`` / ``.md`` (:mod:`.repeat`). The process's wall time is a
+figure too, against the half-hour budget. The anchors come from the optional ``bench``
 extra (``pip install -e ".[bench]"``, which ``make bench`` runs); a missing anchor is reported
 as skipped. On CPU the process restarts itself once with glibc's allocator settings
 (:data:`.timing.ALLOCATOR`), which apply to it alone.
@@ -15,17 +19,21 @@ as skipped. On CPU the process restarts itself once with glibc's allocator setti
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from uqbench.bench import report
+from uqbench.bench import repeat, report
 from uqbench.bench.timing import ensure_allocator
 
 PARTS = ("bnn", "ensembles", "layers")
+BUDGET_MIN = 30.0  # `make bench` on two cores: at most half an hour
+STARTED = "UQBENCH_BENCH_STARTED"  # the first process's start time, kept across the restart
 
 
 def _csv(text: str) -> list[str]:
@@ -83,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: no CUDA device here; use --device cpu")
+    os.environ.setdefault(STARTED, repr(time.time()))  # before the restart: it is counted
     if device.type == "cpu":
         ensure_allocator(argv)
     if args.threads:
@@ -95,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def done(rows: list[report.Record]) -> None:  # written as measured: a crash keeps them
         records.extend(rows)
-        report.write(records, args.out, device)
+        report.write(records, args.out, device, stem=PARTIAL)
         _progress(f"{len(records)} figures", start)
 
     if "bnn" in parts:
@@ -106,10 +115,38 @@ def main(argv: list[str] | None = None) -> None:
                       text_members=args.text_members, text_batch=args.text_batch, done=done)
     if "layers" in parts and not args.quick:
         done(ensembles.llama_layer_memory())
-    header = report.write(records, args.out, device)
+    records.append(wall_time(float(os.environ[STARTED]), device))
+    header = finish(records, args.out, device)
     print(report.markdown(records, header))
     print(f"wrote {args.out / 'bench.json'} and {args.out / 'bench.md'} "
           f"({time.perf_counter() - start:.0f} s)")
+
+
+PARTIAL = "bench.partial"
+
+
+def wall_time(started: float, device: torch.device) -> report.Record:
+    """The benchmark's own wall time, from the first process's start (the restart with the
+    allocator settings included), against :data:`BUDGET_MIN`: a counted point."""
+    return report.Record("uqbench-bench wall time", (time.time() - started) / 60, "min",
+                         str(device), target=BUDGET_MIN, target_rule="the half-hour budget",
+                         section="This run", note="from the process's start to its last "
+                         "figure; make bench's pip install of the anchors not included")
+
+
+def finish(records: list[report.Record], out: Path, device: torch.device) -> dict:
+    """The finished run becomes ``bench.json`` / ``.md``; the run it replaces is kept as
+    ``bench_previous.json`` and compared with it (``bench_repeat.json`` / ``.md``); the
+    partial files are removed."""
+    current, previous = out / "bench.json", out / "bench_previous.json"
+    if current.is_file():
+        current.replace(previous)
+    header = report.write(records, out, device)
+    for suffix in (".json", ".md"):
+        (out / f"{PARTIAL}{suffix}").unlink(missing_ok=True)
+    if previous.is_file():
+        repeat.write(json.loads(previous.read_text()), json.loads(current.read_text()), out)
+    return header
 
 
 def _progress(part: str, start: float) -> None:

@@ -198,15 +198,16 @@ def markdown(records: list[Record], header: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write(records: list[Record], out_dir: Path, device: torch.device) -> dict[str, Any]:
-    """Write ``bench.json`` (a list of records) and ``bench.md`` into ``out_dir``; returns the
+def write(records: list[Record], out_dir: Path, device: torch.device, stem: str = "bench"
+          ) -> dict[str, Any]:
+    """Write ``<stem>.json`` (a list of records) and ``<stem>.md`` into ``out_dir``; returns the
     header (date, device, versions). Both are written to a temporary name, then renamed."""
     header = {"date": dt.date.today().isoformat(), "device": device_name(device),
               "versions": versions()}
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = json.dumps([r.to_json() | {"date": header["date"]} for r in records], indent=1)
-    for name, text in (("bench.json", payload + "\n"),
-                       ("bench.md", markdown(records, header))):
+    for name, text in ((f"{stem}.json", payload + "\n"),
+                       (f"{stem}.md", markdown(records, header))):
         tmp = out_dir / f".{name}.tmp"
         tmp.write_text(text)
         tmp.replace(out_dir / name)
