@@ -56,7 +56,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4, help="image batch at the first M (larger M "
                    "keep M·batch rows per step)")
     p.add_argument("--text-batch", type=int, default=2, help="text batch at the first M")
-    p.add_argument("--repeats", type=int, default=13, help="rounds of the ensembles' targeted "
+    p.add_argument("--repeats", type=int, default=9, help="rounds of the ensembles' targeted "
                    "pairs, one call each (the rows without a target get ensembles.OTHER_ROUNDS; "
                    "the moment-propagation part has its own: bnn.REPEATS)")
     p.add_argument("--quick", action="store_true", help="tiny shapes, few repeats: checks "

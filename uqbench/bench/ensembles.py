@@ -16,8 +16,8 @@ with torch-uncertainty's Deep-Ensemble and MC-Dropout wrappers on the same netwo
 anchors. Memory: the peak of a training step, the trainable state (parameters +
 gradients + optimiser state) and the memory of the targeted layers (SVE, its top-k form and
 LoRA-Ensemble), the last also for LLaMA-2-7B's shapes, counted on the meta device. At the
-first M, the methods P1 compares against (BatchEnsemble, BLoB, MAP LoRA) are timed in the same
-rounds, against the single model.
+first M of the first model (ViT-S/16), the methods P1 compares against (BatchEnsemble, BLoB,
+MAP LoRA) are timed in the same rounds, against the single model.
 
 Longer than most modules: one side-by-side measurement per M holds every method's steppers, so
 that each ratio's two figures come from the same rounds.
@@ -58,7 +58,7 @@ SECTION_TIME = "Ensembles: time ({model}{threads})"
 # target is that work plus 10 %: a claim of equality has no margin to be met by
 SAME_WORK = 1.1
 WARMUP = 1  # untimed calls of each callable before its rounds (the first builds optimiser state)
-OTHER_ROUNDS = 4  # rounds of the rows without a target (the targeted pairs get ``repeats``)
+OTHER_ROUNDS = 3  # rounds of the rows without a target (the targeted pairs get ``repeats``)
 SECTION_MEMORY = "Ensembles: memory ({model})"
 SECTION_LAYERS = "Memory of the targeted layers"
 
@@ -398,7 +398,8 @@ def run(device: torch.device, repeats: int, members: list[int], models: list[str
         for i, m in enumerate(sizes):
             with one_thread(device):
                 rows = time_rows(model, m, max(1, first * sizes[0] // m), device, repeats,
-                                 anchors and i == 0 and not text, baselines=i == 0)
+                                 anchors and i == 0 and not text,
+                                 baselines=i == 0 and key == models[0])
             records += rows
             done(rows)
         rows = layer_memory(model, sizes[0], device, list(topk))

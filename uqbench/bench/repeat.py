@@ -68,7 +68,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
              f"{summary['date']})", "",
              f"{summary['repeated']} of {summary['rows']} targeted rows gave the same verdict in "
              f"both runs. Each interval is ours / target (at or under 1: met; wholly above: "
-             f"missed; otherwise unclear).", "",
+             f"missed; otherwise unclear).", "", "## Verdicts in both runs", "",
              "| figure | previous run | interval | this run | interval | same verdict |",
              "|---|---|---|---|---|---|"]
     for r in body:
