@@ -71,7 +71,7 @@ docs: $(STAMP)  ## Write README.md's and docs/'s result numbers and tables from 
 # BENCH_ARGS: e.g. "--parts bnn" or "--members 4 --models vit" for a shorter run
 BENCH_ARGS ?=
 
-bench: $(STAMP)  ## Speed and memory beside the anchors (fastbnns, torch-uncertainty) → tables/bench.md, .json
+bench: $(STAMP)  ## Speed and memory beside the anchors (fastbnns, torch-uncertainty) → tables/bench.md, .json, bench_repeat.md
 	$(BIN)/pip install -q -c constraints.txt -e ".[bench]"
 	$(BIN)/uqbench-bench --out tables $(BENCH_ARGS)
 
