@@ -25,6 +25,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,6 +35,7 @@ from uqbench.bench.timing import ensure_allocator
 PARTS = ("bnn", "ensembles", "layers")
 BUDGET_MIN = 30.0  # `make bench` on two cores: at most half an hour
 STARTED = "UQBENCH_BENCH_STARTED"  # the first process's start time, kept across the restart
+PARTIAL = "bench.partial"  # the figures of a run still measuring (bench.json: finished runs)
 
 
 def _csv(text: str) -> list[str]:
@@ -122,9 +124,6 @@ def main(argv: list[str] | None = None) -> None:
           f"({time.perf_counter() - start:.0f} s)")
 
 
-PARTIAL = "bench.partial"
-
-
 def wall_time(started: float, device: torch.device) -> report.Record:
     """The benchmark's own wall time, from the first process's start (the restart with the
     allocator settings included), against :data:`BUDGET_MIN`: a counted point."""
@@ -134,7 +133,7 @@ def wall_time(started: float, device: torch.device) -> report.Record:
                          "figure; make bench's pip install of the anchors not included")
 
 
-def finish(records: list[report.Record], out: Path, device: torch.device) -> dict:
+def finish(records: list[report.Record], out: Path, device: torch.device) -> dict[str, Any]:
     """The finished run becomes ``bench.json`` / ``.md``; the run it replaces is kept as
     ``bench_previous.json`` and compared with it (``bench_repeat.json`` / ``.md``); the
     partial files are removed."""

@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from uqbench.bench.report import write_files
 from uqbench.errors import user_errors
 
 SUMMARY = "every targeted row"
@@ -37,7 +38,6 @@ def compare(previous: list[dict[str, Any]], current: list[dict[str, Any]]) -> li
     rows = []
     for figure in figures:
         a, b = before.get(figure), now.get(figure)
-        both = a is not None and b is not None
         rows.append({
             "figure": figure,
             "verdict": b["verdict"] if b else None,
@@ -46,7 +46,7 @@ def compare(previous: list[dict[str, Any]], current: list[dict[str, Any]]) -> li
             "previous_to_target_interval": a.get("to_target_interval") if a else None,
             "repeated": ("yes" if a["verdict"] == b["verdict"] else "no") if a and b else
                         ("this run only" if b else "previous run only"),
-            "compared": both})
+            "compared": bool(a and b)})
     compared = [r for r in rows if r["compared"]]
     rows.append({"figure": SUMMARY, "rows": len(compared),
                  "repeated": sum(r["repeated"] == "yes" for r in compared),
@@ -82,12 +82,8 @@ def write(previous: list[dict[str, Any]], current: list[dict[str, Any]], out: Pa
           ) -> list[dict[str, Any]]:
     """Compare the runs and write ``bench_repeat.json`` and ``bench_repeat.md`` into ``out``."""
     rows = compare(previous, current)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, text in (("bench_repeat.json", json.dumps(rows, indent=1) + "\n"),
-                       ("bench_repeat.md", markdown(rows))):
-        tmp = out / f".{name}.tmp"
-        tmp.write_text(text)
-        tmp.replace(out / name)
+    write_files(out, {"bench_repeat.json": json.dumps(rows, indent=1) + "\n",
+                      "bench_repeat.md": markdown(rows)})
     return rows
 
 

@@ -204,11 +204,16 @@ def write(records: list[Record], out_dir: Path, device: torch.device, stem: str 
     header (date, device, versions). Both are written to a temporary name, then renamed."""
     header = {"date": dt.date.today().isoformat(), "device": device_name(device),
               "versions": versions()}
-    out_dir.mkdir(parents=True, exist_ok=True)
     payload = json.dumps([r.to_json() | {"date": header["date"]} for r in records], indent=1)
-    for name, text in ((f"{stem}.json", payload + "\n"),
-                       (f"{stem}.md", markdown(records, header))):
+    write_files(out_dir, {f"{stem}.json": payload + "\n", f"{stem}.md": markdown(records, header)})
+    return header
+
+
+def write_files(out_dir: Path, texts: dict[str, str]) -> None:
+    """Write each ``{name: text}`` into ``out_dir`` through a temporary name and one rename
+    (never half a file)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in texts.items():
         tmp = out_dir / f".{name}.tmp"
         tmp.write_text(text)
         tmp.replace(out_dir / name)
-    return header
