@@ -13,7 +13,7 @@ from uqbench.backbones.mlp import MLP
 from uqbench.contracts import DataInfo
 from uqbench.methods.bnn import BayesianMLP, check_options
 from uqbench.methods.moments.activations import leaky_relu_moments
-from uqbench.methods.moments.fused import leaky_relu_moments_fused
+from uqbench.methods.moments.fused import erfc_fit, leaky_relu_moments_fused
 from uqbench.methods.moments.layers import GaussianLinear
 
 # Tolerances. float64: both paths are exact to ~1e-13 relative except where a tail term cancels
@@ -199,7 +199,6 @@ def test_compiled_erfc_fit_against_float64_erfc():
     z ≥ 0 up to the clamp (t = 40): in float64 within its stated fractional error 1.2e-7, in
     float32 within the float32 exp's own error (about z²·2⁻²⁴) wherever erfc is a normal
     float32."""
-    from uqbench.methods.moments.fused import erfc_fit
     z = torch.linspace(0, 40 / math.sqrt(2), 100_001, dtype=torch.float64)
     ref = torch.special.erfc(z)
     # erfc(40/√2) ≈ 1e-349 underflows even float64: compared where erfc is a normal float64
