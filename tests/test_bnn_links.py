@@ -241,7 +241,10 @@ def test_diagnostics_measure_the_moment_vs_mc_gap(variance, monkeypatch):
         exact = _deterministic_features(BayesianMLP(MLP(width=8), INFO, variance=variance,
                                                     rho_init=-1.0))
         found = exact.diagnostics(x)
-        assert set(found) == {"mc_mean_gap", "mc_std_ratio", "mc_samples"}
+        parts = {"mc_epistemic_std_ratio", "mc_aleatoric_ratio"} if variance == "learned" else set()
+        assert set(found) == {"mc_mean_gap", "mc_std_ratio", "mc_samples"} | parts
+        for key in parts:  # each part exact too: ≈ 1 within its MC error
+            assert found[key] == pytest.approx(1.0, abs=5 / math.sqrt(2000)), key
         assert found["mc_samples"] == 2000
         assert found["mc_mean_gap"] < 5 / math.sqrt(2000)
         assert found["mc_std_ratio"] == pytest.approx(1.0, abs=5 / math.sqrt(4000))
@@ -251,6 +254,30 @@ def test_diagnostics_measure_the_moment_vs_mc_gap(variance, monkeypatch):
     found = wrong.diagnostics(x)
     assert found["mc_mean_gap"] == pytest.approx(1.0, abs=0.1)
     assert found["mc_std_ratio"] == pytest.approx(2.0, abs=0.1)
+
+
+class _NoiseDoubled(BayesianMLP):
+    """Learned variance whose moment inference doubles E[link(a₂)] and keeps the spread of the
+    mean output: the total grows by the one, the parts read ×2 and ×1."""
+
+    def _moments(self, x: torch.Tensor) -> RegressionOutput:
+        out = super()._moments(x)
+        extra = out.var_aleatoric - self.min_var
+        return RegressionOutput(out.mean, out.var + extra, out.var_aleatoric + extra)
+
+
+def test_diagnostics_split_the_learned_variance_into_its_parts():
+    """mc_aleatoric_ratio reads the noise variance's error alone and mc_epistemic_std_ratio the
+    mean output's spread alone: doubling E[link(a₂)] reads 2 and 1 (exact moments otherwise,
+    fixed features), and the total ratio lies between."""
+    x = torch.linspace(-2.0, 2.0, 300)[:, None]
+    torch.manual_seed(0)
+    doubled = _deterministic_features(_NoiseDoubled(MLP(width=8), INFO, variance="learned",
+                                                    rho_init=-1.0))
+    found = doubled.diagnostics(x)
+    assert found["mc_aleatoric_ratio"] == pytest.approx(2.0, abs=0.1)
+    assert found["mc_epistemic_std_ratio"] == pytest.approx(1.0, abs=5 / math.sqrt(2000))
+    assert 1.0 + 5 / math.sqrt(2000) < found["mc_std_ratio"] < math.sqrt(2.0)
 
 
 def test_diagnostics_leave_the_random_state_alone_and_can_be_switched_off():
@@ -281,7 +308,8 @@ def test_the_runner_records_diagnostics_and_changes_no_other_metric(compose_cfg,
               "method.inference=mc", "method.mc_samples=50"]  # MC inference: RNG-sensitive
     on = run(compose_cfg([*common, "run_name=on"]))
     off = run(compose_cfg([*common, "run_name=off", "method.check_samples=0"]))
-    keys = {"test/mc_mean_gap", "test/mc_std_ratio", "test/mc_samples"}
+    keys = {"test/mc_mean_gap", "test/mc_std_ratio", "test/mc_samples",
+            "test/mc_epistemic_std_ratio", "test/mc_aleatoric_ratio"}  # learned: the parts too
     assert keys <= set(on["metrics"]) and not keys & set(off["metrics"])
     assert {k: v for k, v in on["metrics"].items() if k not in keys} == off["metrics"]
     assert on["metrics"]["test/mc_samples"] == 2000

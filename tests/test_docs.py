@@ -95,9 +95,10 @@ def produced() -> set[str]:
               for s in (*M.OOD_SCORES, *M.LOGIT_SCORES)}
     t = torch.tensor([[0.0], [1.0]])
     names |= set(M.regression_metrics(t, t, t + 1)) | set(M.noise_recovery(t + 1, t + 1))
-    bnn = BayesianMLP(MLP(width=2), DataInfo(task="regression", in_dim=1, out_dim=1),
-                      check_samples=4)
-    names |= set(bnn.diagnostics(t))
+    for variance in ("embedded", "learned"):  # learned adds the total's two parts
+        bnn = BayesianMLP(MLP(width=2), DataInfo(task="regression", in_dim=1, out_dim=1),
+                          check_samples=4, variance=variance)
+        names |= set(bnn.diagnostics(t))
     # the conformal sets' and intervals' keys, <split>/cp_<score>/<name> and <split>/cp/<name>
     from uqbench.tasks.classification import ClassificationTask
     from uqbench.tasks.regression import RegressionTask

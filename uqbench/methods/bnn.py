@@ -355,7 +355,11 @@ class BayesianMLP(Method):
         check_samples is 0.
 
         mc_mean_gap: mean over inputs and targets of |μ_moments − μ_MC| / σ_MC; mc_std_ratio:
-        mean of σ_moments / σ_MC (total predictive σ); mc_samples: S. The draws come from a
+        mean of σ_moments / σ_MC (total predictive σ); mc_samples: S. Learned variance, the two
+        parts of the total apart: mc_epistemic_std_ratio, the same ratio for the spread of the
+        mean output alone (its σ over weight draws), and mc_aleatoric_ratio, the mean of
+        E[link(a₂)] by moments over its Monte Carlo mean (the predicted noise variance). The
+        draws come from a
         fixed seed and the global random state is restored afterwards, so the hook neither
         depends on nor changes what the run draws elsewhere. With ``covariance: full`` also
         pass_cost_vs_diagonal: :meth:`pass_cost`.
@@ -364,11 +368,18 @@ class BayesianMLP(Method):
             return {}
         mom = self._moments(inputs)
         with _private_rng(inputs.device, seed=0):
-            mean, var = self._mc_moments(inputs, self.check_samples, mom.mean.double())
-        sd_mc = var.sqrt()
+            mean, epistemic, aleatoric = self._mc_parts(inputs, self.check_samples,
+                                                        mom.mean.double())
+        sd_mc = (epistemic + aleatoric + self.min_var).sqrt()
         found = {"mc_mean_gap": ((mom.mean.double() - mean).abs() / sd_mc).mean().item(),
                  "mc_std_ratio": (mom.var.double().sqrt() / sd_mc).mean().item(),
                  "mc_samples": self.check_samples}
+        if self.variance == "learned" and mom.var_aleatoric is not None:
+            own = mom.var_aleatoric.double() - self.min_var  # E[link(a₂)] by moments
+            found["mc_epistemic_std_ratio"] = (
+                (mom.var.double() - mom.var_aleatoric.double()).sqrt() / epistemic.sqrt()
+            ).mean().item()
+            found["mc_aleatoric_ratio"] = (own / aleatoric).mean().item()
         if self.covariance == "full":
             found["pass_cost_vs_diagonal"] = self.pass_cost(inputs)
         return found
@@ -400,9 +411,18 @@ class BayesianMLP(Method):
     def _mc_moments(self, x: torch.Tensor, samples: int,
                     shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Predictive mean and total variance (B, out), float64, over ``samples`` weight draws
-        taken in chunks of at most CHECK_CHUNK_ELEMENTS drawn weights and activations, so
-        memory stays bounded whatever S and the width. Sums are taken around ``shift`` (B, out),
-        a close guess of the mean, so Σy² − (Σy)²/S does not cancel."""
+        (:meth:`_mc_parts`, the parts added up)."""
+        mean, epistemic, aleatoric = self._mc_parts(x, samples, shift)
+        return mean, epistemic + aleatoric + self.min_var
+
+    def _mc_parts(self, x: torch.Tensor, samples: int, shift: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Predictive mean, the variance of the mean output over the draws (epistemic) and the
+        mean of link(a₂) (aleatoric; zeros for embedded variance), each (B, out), float64,
+        over ``samples`` weight draws taken in chunks of at most CHECK_CHUNK_ELEMENTS drawn
+        weights and activations, so memory stays bounded whatever S and the width. Sums are
+        taken around ``shift`` (B, out), a close guess of the mean, so Σy² − (Σy)²/S does not
+        cancel."""
         d = self.out_dim
         layers = [m for m in self.net if isinstance(m, GaussianLinear)]
         per_draw = sum(m.weight_mu.numel() + m.bias_mu.numel() + x.shape[0] * m.out_features
@@ -419,7 +439,7 @@ class BayesianMLP(Method):
             if self.variance == "learned":
                 link += apply_link(self.variance_link, out[..., d:]).sum(0)
         epistemic = ((square - total * total / samples) / (samples - 1)).clamp_min(0)
-        return shift + total / samples, epistemic + link / samples + self.min_var
+        return shift + total / samples, epistemic, link / samples
 
 
 def _predictive(mean: torch.Tensor, var: torch.Tensor, d: int, variance: str, link: str,
