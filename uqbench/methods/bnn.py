@@ -359,10 +359,9 @@ class BayesianMLP(Method):
         parts of the total apart: mc_epistemic_std_ratio, the same ratio for the spread of the
         mean output alone (its σ over weight draws), and mc_aleatoric_ratio, the mean of
         E[link(a₂)] by moments over its Monte Carlo mean (the predicted noise variance). The
-        draws come from a
-        fixed seed and the global random state is restored afterwards, so the hook neither
-        depends on nor changes what the run draws elsewhere. With ``covariance: full`` also
-        pass_cost_vs_diagonal: :meth:`pass_cost`.
+        draws come from a fixed seed and the global random state is restored afterwards, so
+        the hook neither depends on nor changes what the run draws elsewhere. With
+        ``covariance: full`` also pass_cost_vs_diagonal: :meth:`pass_cost`.
         """
         if self.check_samples == 0:
             return {}
