@@ -374,11 +374,10 @@ class BayesianMLP(Method):
                  "mc_std_ratio": (mom.var.double().sqrt() / sd_mc).mean().item(),
                  "mc_samples": self.check_samples}
         if self.variance == "learned" and mom.var_aleatoric is not None:
-            own = mom.var_aleatoric.double() - self.min_var  # E[link(a₂)] by moments
+            noise = mom.var_aleatoric.double()  # E[link(a₂)] + min_var, by moments
             found["mc_epistemic_std_ratio"] = (
-                (mom.var.double() - mom.var_aleatoric.double()).sqrt() / epistemic.sqrt()
-            ).mean().item()
-            found["mc_aleatoric_ratio"] = (own / aleatoric).mean().item()
+                (mom.var.double() - noise).sqrt() / epistemic.sqrt()).mean().item()
+            found["mc_aleatoric_ratio"] = ((noise - self.min_var) / aleatoric).mean().item()
         if self.covariance == "full":
             found["pass_cost_vs_diagonal"] = self.pass_cost(inputs)
         return found
