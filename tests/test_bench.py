@@ -188,6 +188,7 @@ def _block(monkeypatch, *modules):
         monkeypatch.setitem(sys.modules, m, None)  # import raises ImportError
 
 
+@pytest.mark.slow  # the quick P2 rows still compile and time the training step
 def test_moment_figures_quick_and_missing_anchor_skipped(monkeypatch):
     from uqbench.bench import bnn
 

@@ -333,6 +333,7 @@ def test_a_bad_link_on_the_command_line_fails_before_anything_is_written(tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # four CLI runs
 def test_scoring_takes_the_bnns_inference_options_and_refuses_what_it_would_ignore(tmp_path):
     """job=eval scores the run as trained: a method setting it cannot apply (the variance head)
     is refused, naming it, where it used to be ignored; the run's own value passes; the BNN's

@@ -79,7 +79,8 @@ def test_a_chain_it_cannot_take_is_refused_by_name():
     assert fusable(MomentSequential(GaussianLinear(1, 4), Other(), GaussianLinear(4, 1)))
 
 
-@pytest.mark.parametrize("variance", ["embedded", "learned"])
+# learned: a second cold compile (about 30 s), in the slow suite
+@pytest.mark.parametrize("variance", ["embedded", pytest.param("learned", marks=pytest.mark.slow)])
 def test_the_compiled_training_loss_equals_the_eager_one(variance):
     """``compile: true`` trains through torch.compile of the same node, head and NLL: the same
     ELBO and gradients to rounding (float64), and the compiled code is what ran."""

@@ -252,6 +252,7 @@ def _swept(compose_cfg, experiment: str, key: str) -> list[str]:
     return str(cfg.hydra.sweeper.params[key]).split(",")
 
 
+@pytest.mark.slow  # composes every backbone × method of the sweep
 def test_p1_digits_reads_each_learning_rate_from_the_recipe_file(compose_cfg):
     choices = yaml.safe_load(RECIPE.read_text())["choices"]
     for backbone in _swept(compose_cfg, "p1_digits", "backbone"):

@@ -55,6 +55,7 @@ def test_stacked_seeds_write_what_their_own_jobs_write(tmp_path):
     assert s1 != s2
 
 
+@pytest.mark.slow  # two CLI runs, the second a stacked job
 def test_a_finished_member_is_reused_and_the_rest_train(tmp_path):
     run_cli(*TINY, f"paths.runs_dir={tmp_path}", "seed=0")
     done = next(iter(_folders(tmp_path).values())) / "results.json"
@@ -97,7 +98,8 @@ def _member(seed: int, variance: str) -> BayesianMLP:
     return model.double()
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+# compiled: two cold compiles of the stacked graph (about 50 s), in the slow suite
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("variance", ["embedded", "learned"])
 def test_members_side_by_side_give_each_its_own_loss_and_gradients(variance, compiled):
     """The BNN's stacked loss (the members as one batched network; compiled: one graph)
