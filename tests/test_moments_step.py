@@ -3,6 +3,10 @@ layer-by-layer autograd path it replaces: the same moments and KL, the same grad
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -82,8 +86,9 @@ def test_a_chain_it_cannot_take_is_refused_by_name():
 # learned: a second cold compile (about 30 s), in the slow suite
 @pytest.mark.parametrize("variance", ["embedded", pytest.param("learned", marks=pytest.mark.slow)])
 def test_the_compiled_training_loss_equals_the_eager_one(variance):
-    """``compile: true`` trains through torch.compile of the same node, head and NLL: the same
-    ELBO and gradients to rounding (float64), and the compiled code is what ran."""
+    """``compile: true`` trains through torch.compile of the same closed forms, head and NLL
+    (as plain operations there): the same ELBO and gradients to rounding (float64), and the
+    compiled code is what ran."""
     from torch._dynamo.utils import counters
 
     eager, compiled = (_bnn(2, 8, 0.1, "fixed", variance=variance) for _ in range(2))
@@ -100,3 +105,86 @@ def test_the_compiled_training_loss_equals_the_eager_one(variance):
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-10, atol=0)
     for g, w in zip(grads[1], grads[0], strict=True):
         torch.testing.assert_close(g, w, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("members", [None, 3])
+def test_the_traced_pass_compiled_code_runs_gives_the_nodes_numbers(members):
+    """What ``compile: true`` traces (plain operations, no custom node), run eagerly here: the
+    node's moments, KL and closed-form gradients to rounding, one network and three side by
+    side."""
+    from uqbench.methods.moments.step import (
+        _MomentsAndKL,
+        _traced_moments_and_kl,
+        fused_plan,
+    )
+
+    model = _bnn(3, 8, 0.1, "fixed", in_dim=2)
+    plan, own = fused_plan(model.net)
+    gen = torch.Generator().manual_seed(1)
+    lead = () if members is None else (members,)
+    params = [(p.detach().expand(*lead, *p.shape)
+               + 0.3 * torch.randn(*lead, *p.shape, generator=gen, dtype=p.dtype))
+              .requires_grad_() for p in own]
+    x = torch.randn(*lead, 40, 2, dtype=torch.float64, generator=gen) * 3
+    out_node = _MomentsAndKL.apply(x, plan, *params)
+    out_traced = _traced_moments_and_kl(x, plan, params)
+    weights = [torch.randn(t.shape, dtype=t.dtype, generator=gen) for t in out_node]
+    grads = [torch.autograd.grad(sum((o * w).sum() for o, w in zip(out, weights,
+                                                                     strict=True)), params)
+             for out in (out_node, out_traced)]
+    for got, want in zip(out_traced, out_node, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=0)
+    for got, want in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-13)
+
+
+def test_the_traced_expected_softplus_gives_the_nodes_numbers():
+    """The learned head's E[softplus(a)] as compiled code traces it: the autograd node's value
+    and Stein's-lemma gradients, exactly (the same quadrature), in float64 and float32."""
+    from uqbench.methods.moments.links import _expected_softplus_traced, _ExpectedSoftplus
+
+    gen = torch.Generator().manual_seed(2)
+    for dtype in (torch.float64, torch.float32):
+        m = (torch.randn(200, generator=gen, dtype=dtype) * 5).requires_grad_()
+        v = (torch.rand(200, generator=gen, dtype=dtype) * 9).requires_grad_()
+        a, b = _ExpectedSoftplus.apply(m, v), _expected_softplus_traced(m, v)
+        assert torch.equal(a, b)
+        for g, w in zip(torch.autograd.grad((b * b).sum(), (m, v)),
+                        torch.autograd.grad((a * a).sum(), (m, v)), strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=0)
+
+
+_COMPILE_ONCE = """
+import torch
+from torch._dynamo.utils import counters
+from uqbench.backbones.mlp import MLP
+from uqbench.contracts import DataInfo
+from uqbench.methods import bnn
+from uqbench.methods.moments.step import fused_plan
+info = DataInfo("regression", in_dim=1, out_dim=1, num_train_batches=20)
+model = bnn.BayesianMLP(MLP(width=4, depth=1, slope=0.01), info, variance="{variance}")
+plan, own = fused_plan(model.net)
+params = [torch.nn.Parameter(torch.stack([p.detach()] * 2)) for p in own]
+x, y = torch.randn(2, 10, 1), torch.randn(2, 10, 1)
+loss = bnn._compiled_batched_elbo()(x, y, plan, params, (0.1, 0.1), 1, "{variance}",
+                                     "softplus", 1e-8)
+loss.sum().backward()
+print("hits", counters["aot_autograd"]["autograd_cache_hit"])
+"""
+
+
+# two processes, each compiling (about 30 s cold, a few seconds from the cache)
+@pytest.mark.slow
+@pytest.mark.parametrize("variance", ["embedded", "learned"])
+def test_a_second_process_loads_the_compiled_training_loss_from_the_cache(variance, tmp_path):
+    """The compiled loss holds no custom autograd node, so torch's compile cache keeps it: the
+    second process of a sweep (same cache folder) loads the graph, forward and backward, instead
+    of tracing and compiling it again."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    script = _COMPILE_ONCE.format(variance=variance)
+    hits = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                              text=True, check=True)
+        hits.append(int(done.stdout.split("hits")[-1]))
+    assert hits == [0, 1]

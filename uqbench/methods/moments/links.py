@@ -226,8 +226,24 @@ def expected_softplus(mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
     mean, var = torch.broadcast_tensors(mean, var)
     dtype = torch.promote_types(mean.dtype, var.dtype)
     shape = mean.shape
-    out = _ExpectedSoftplus.apply(mean.to(dtype).reshape(-1), var.to(dtype).reshape(-1))
+    m, v = mean.to(dtype).reshape(-1), var.to(dtype).reshape(-1)
+    out = _expected_softplus_traced(m, v) if torch.compiler.is_compiling() else \
+        _ExpectedSoftplus.apply(m, v)
     return out.reshape(shape)
+
+
+def _expected_softplus_traced(mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+    """:class:`_ExpectedSoftplus` as plain operations, for torch.compile (whose compile cache
+    does not keep a graph that holds a custom autograd node): the value and Stein's lemma's
+    gradients from the detached inputs, then value + ∂m·δm + ∂v·δv with δ = input − detached
+    input, zero in value and the identity in gradient."""
+    dtype = _work_dtype(mean)
+    m, v = mean.detach().to(dtype), var.detach().to(dtype)
+    if not (mean.requires_grad or var.requires_grad):
+        return _gaussian_expectation("softplus", m, v).to(mean.dtype)
+    value, d_mean, d_var = _gaussian_expectations(("softplus", "sigmoid", "dsigmoid"), m, v)
+    return (value.to(mean.dtype) + d_mean.to(mean.dtype) * (mean - mean.detach())
+            + (0.5 * d_var).to(var.dtype) * (var - var.detach()))
 
 
 def apply_link(link: str, a: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,9 @@ the KL and each activation's Φ and φ between its forward and backward:
 
 The numbers are those of ``MomentSequential.forward_fused`` and ``MomentSequential.kl`` to
 rounding, gradients included (``tests/test_moments_step.py``); the BNN uses it for the diagonal
-pass's training loss (``training: moments``, ``fused: true``).
+pass's training loss (``training: moments``, ``fused: true``). Under torch.compile (``compile:
+true``) the same closed forms run as plain operations instead (:func:`_traced_moments_and_kl`),
+which the compiler fuses and its cache keeps.
 
 R networks of one plan side by side (seeds trained in one job): inputs (R, B, in) and every
 parameter stacked to (R, …) give the same closed forms per member through batched matrix
@@ -182,9 +184,79 @@ def fused_plan(net: MomentSequential) -> tuple[Plan, list[torch.Tensor]]:
 def planned_moments_and_kl(x: torch.Tensor, plan: Plan, params: list[torch.Tensor]
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`moments_and_kl` from :func:`fused_plan`'s plan and parameters (no module in the
-    arguments: what a compiled training loss traces)."""
+    arguments: what a compiled training loss traces). Eagerly the one autograd node; under
+    torch.compile :func:`_traced_moments_and_kl`, the same closed forms as plain operations."""
+    if torch.compiler.is_compiling():
+        return _traced_moments_and_kl(x, plan, params)
     mean, var, kl = _MomentsAndKL.apply(x, plan, *params)
     return mean, var, kl
+
+
+def _traced_moments_and_kl(x: torch.Tensor, plan: Plan, params: list[torch.Tensor]
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:class:`_MomentsAndKL`'s numbers as plain tensor operations, for torch.compile.
+
+    Compiled, the one autograd node costs as much as it saves: the compiler traces its forward
+    and its backward apart, and its compile cache does not keep graphs that hold one, so every
+    process compiles them again. Here the linear layers and the KL are ordinary operations
+    (their gradients are autograd's), and each Leaky-ReLU is its closed-form value plus its
+    closed-form Jacobian times the input's deviation from itself (:func:`_leaky_relu_traced`):
+    the same values, and the same gradients as the node's backward. The graph has no custom
+    node, so the compile cache serves every later process (a sweep's second worker)."""
+    mean: torch.Tensor = x
+    var: torch.Tensor | None = None  # the data: deterministic
+    members = x.dim() == 3
+    kl = x.new_zeros(x.shape[:-2])
+    it = iter(params)
+    for kind, value in plan:
+        if kind == "act":
+            mean, var = _leaky_relu_traced(
+                mean, torch.zeros_like(mean) if var is None else var, value)
+            continue
+        w, w_rho, b, b_rho = next(it), next(it), next(it), next(it)
+        w_sig, b_sig = F.softplus(w_rho), F.softplus(b_rho)
+        w_var, b_var = w_sig * w_sig, b_sig * b_sig
+        bias, bias_var = (b.unsqueeze(-2), b_var.unsqueeze(-2)) if members else (b, b_var)
+        out_mean = _times_wt(mean, w) + bias
+        out_var = _times_wt(mean * mean, w_var) + bias_var
+        if var is not None:
+            out_var = out_var + _times_wt(var, w * w + w_var)
+        kl = kl + _kl(w, w_sig, value, members) + _kl(b, b_sig, value, members)
+        mean, var = out_mean, out_var
+    return mean, torch.zeros_like(mean) if var is None else var, kl
+
+
+def _times_wt(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """a wᵀ, a (…, B, in), w (…, out, in): one input or at most two outputs (P2's first and
+    last layers) as products and a sum, which the compiler fuses with the activation beside
+    them, and whose gradients are such products too (a CPU matrix product with an inner size
+    of one or two, as autograd's would be, is several times slower); otherwise a matrix
+    product."""
+    if a.shape[-1] == 1:
+        return a * w.mT
+    if w.shape[-2] <= 2:
+        return (a.unsqueeze(-2) * w.unsqueeze(-3)).sum(-1)
+    return a @ w.mT
+
+
+def _leaky_relu_traced(mean: torch.Tensor, var: torch.Tensor, a: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Leaky-ReLU's output moments with the gradients of
+    :func:`~uqbench.methods.moments.activations.leaky_relu_moments_vjp`, as plain operations:
+    M + J_Mμ·δμ + J_Mv·δv and V + J_Vμ·δμ + J_Vv·δv, where M, V and the Jacobian J come from
+    the detached inputs and δ = input − detached input is zero (so the values are M and V) with
+    the identity as its gradient (so the gradients are Jᵀ·g, the closed forms)."""
+    m0, v0 = mean.detach(), var.detach()
+    out_mean, out_var, (_, s, cdf, pdf, e_pos, _) = _leaky_relu_moments_fused(m0, v0, a,
+                                                                             keep=True)
+    ratio = pdf / s                                                      # φ/s
+    dm_dmu = cdf * (1 - a) + a                                           # a + (1−a)Φ
+    dm_dv = ratio * (0.5 * (1 - a))                                      # (1−a)φ/(2s)
+    dv_dmu = ((1 + a - dm_dmu) * e_pos - a * m0 * cdf) * (2 * (1 - a))  # 2(1−a)[E₊(1−(1−a)Φ) − aμΦ]
+    dv_dv = cdf * (1 - a * a) + a * a + (a - 1) * out_mean * ratio       # a² + (1−a²)Φ − (1−a)Mφ/s
+    d_mean, d_var = mean - m0, var - v0
+    return (out_mean + dm_dmu * d_mean + dm_dv * d_var,
+            out_var + dv_dmu * d_mean + dv_dv * d_var)
 
 
 def moments_and_kl(net: MomentSequential, x: torch.Tensor
