@@ -242,7 +242,9 @@ class BayesianMLP(Method):
         if not self.fused:
             return self.net(x, torch.zeros_like(x))  # deterministic input: v = 0
         if self.compiled and not torch.is_grad_enabled():
-            return _compiled_fused_pass()(self.net, x)
+            # a copy, not a view: a view's base (a split's tensor) would enter the graph's
+            # guards, and the next split's size would compile the pass again
+            return _compiled_fused_pass()(self.net, x.clone())
         return self.net.forward_fused(x)
 
     def _moments(self, x: torch.Tensor) -> RegressionOutput:
