@@ -6,7 +6,7 @@ import json
 import os
 import stat
 
-from uqbench.bench.demo import main
+from uqbench.bench.demo import FIGURE, main, previous
 
 
 def test_the_demo_runs_in_fresh_folders_and_its_wall_time_is_recorded(tmp_path):
@@ -25,6 +25,30 @@ def test_the_demo_runs_in_fresh_folders_and_its_wall_time_is_recorded(tmp_path):
     assert 0.3 <= record["seconds"] < 30
     assert record["minutes"] == round(record["seconds"] / 60, 2)
     assert record["cpus"] == os.cpu_count()
+    assert record["figure"] == FIGURE
     main(["--out", str(tmp_path / "tables"), "--make", str(make), "--keep-compile-cache"])
     assert seen.read_text().strip().split("|")[2] == os.environ.get("TORCHINDUCTOR_CACHE_DIR",
                                                                     "")
+
+
+def test_a_new_measurement_keeps_the_one_before_and_the_other_figures(tmp_path):
+    make = tmp_path / "fake-make"
+    make.write_text("#!/bin/sh\nsleep 0.1\n")
+    make.chmod(make.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "tables"
+    path = out / "demo.json"
+    main(["--out", str(out), "--make", str(make)])
+    [first] = json.loads(path.read_text())
+    main(["--out", str(out), "--make", str(make), "--keep-compile-cache"])
+    [kept_cache, again] = json.loads(path.read_text())
+    assert again == first and kept_cache["figure"] != FIGURE
+    path.write_text(json.dumps([{**first, "seconds": 999.0}, kept_cache]))  # an older figure
+    main(["--out", str(out), "--make", str(make)])
+    records = json.loads(path.read_text())
+    assert [r["figure"] for r in records] == [FIGURE, previous(FIGURE), kept_cache["figure"]]
+    assert records[0]["seconds"] < 30 and records[1]["seconds"] == 999.0
+    assert records[2] == kept_cache
+    main(["--out", str(out), "--make", str(make)])  # the oldest goes: one measurement before
+    records = json.loads(path.read_text())
+    assert [r["figure"] for r in records] == [FIGURE, previous(FIGURE), kept_cache["figure"]]
+    assert records[1]["seconds"] < 30

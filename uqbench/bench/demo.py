@@ -4,8 +4,10 @@ Runs the Makefile's ``demo`` target with its runs in an empty temporary folder
 (``UQBENCH_RUNS``), its tables there too (``DEMO_TABLES``), and torch's compile cache empty
 (``TORCHINDUCTOR_CACHE_DIR``; ``--keep-compile-cache`` keeps the machine's), so that nothing
 earlier runs left is reused and nothing in runs/ or tables/ is touched; then writes the wall
-time, with the machine's CPU count and the date, as one record that the README cites (a list
-of records, as bench.json, for ``uqbench-docs``).
+time, with the machine's CPU count, the date and the commit, as the record that the README
+cites (a list of records, as bench.json, for ``uqbench-docs``). The record it replaces stays in
+the file as the previous measurement: machines of one kind differ by up to 2× here, so the
+README shows both rather than one draw.
 """
 
 from __future__ import annotations
@@ -22,6 +24,21 @@ from pathlib import Path
 FIGURE = "make demo after setup, from empty runs and compile-cache folders"
 
 
+def previous(figure: str) -> str:
+    """The name under which a figure's replaced measurement is kept."""
+    return f"{figure}, the measurement before"
+
+
+def _commit() -> str | None:
+    """The checkout's commit (short), or None outside a git checkout."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.stdout.strip() or None
+
+
 def time_demo(make: str = "make", keep_compile_cache: bool = False) -> dict[str, object]:
     """Run ``make demo`` in fresh folders and return its record."""
     with tempfile.TemporaryDirectory(prefix="uqbench-demo-") as tmp:
@@ -34,7 +51,25 @@ def time_demo(make: str = "make", keep_compile_cache: bool = False) -> dict[str,
     return {"figure": FIGURE if not keep_compile_cache else
             FIGURE.replace(" and compile-cache folders", " folder, the compile cache kept"),
             "seconds": seconds, "minutes": round(seconds / 60, 2),
-            "cpus": os.cpu_count(), "date": datetime.date.today().isoformat()}
+            "cpus": os.cpu_count(), "date": datetime.date.today().isoformat(),
+            "commit": _commit()}
+
+
+def with_previous(record: dict[str, object], path: Path) -> list[dict[str, object]]:
+    """The records of ``path`` with ``record`` in place of its figure's measurement, which
+    stays as that figure's previous one (``<figure>, the measurement before``); the records
+    of other figures are kept as they are."""
+    if not path.exists():
+        return [record]
+    try:
+        old = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        raise SystemExit(f"{path} is not JSON; move it away to start a new record") from None
+    figure = str(record["figure"])
+    before = previous(figure)
+    kept = [r for r in old if isinstance(r, dict) and r.get("figure") not in (figure, before)]
+    replaced = [r for r in old if isinstance(r, dict) and r.get("figure") == figure]
+    return [record] + [{**r, "figure": before} for r in replaced[:1]] + kept
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     record = time_demo(args.make, args.keep_compile_cache)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "demo.json"
-    path.write_text(json.dumps([record], indent=2) + "\n")
+    path.write_text(json.dumps(with_previous(record, path), indent=2) + "\n")
     print(f"make demo: {record['minutes']} min → {path}")
 
 
