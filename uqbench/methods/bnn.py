@@ -76,6 +76,7 @@ COVARIANCES = ("diagonal", "full")
 CONVERTS = "nn.Linear (with a bias), nn.LeakyReLU, nn.ReLU"
 PASS_COST_ROUNDS = 3  # diagnostics: rounds of the full-vs-diagonal pass timing (median)
 CHECK_CHUNK_ELEMENTS = 2**22  # diagnostics: drawn weights + activations per MC chunk (cache-sized)
+CHECK_GROUPS = 20  # diagnostics: groups of draws for the jackknife error of mc_std_ratio
 
 
 def check_options(variance: str = "embedded", inference: str = "moments",
@@ -357,9 +358,14 @@ class BayesianMLP(Method):
         check_samples is 0.
 
         mc_mean_gap: mean over inputs and targets of |μ_moments − μ_MC| / σ_MC; mc_std_ratio:
-        mean of σ_moments / σ_MC (total predictive σ); mc_samples: S. Learned variance, the two
-        parts of the total apart: mc_epistemic_std_ratio, the same ratio for the spread of the
-        mean output alone (its σ over weight draws), and mc_aleatoric_ratio, the mean of
+        mean of σ_moments / σ_MC (total predictive σ); mc_std_ratio_se: its Monte Carlo standard
+        error, by the jackknife over CHECK_GROUPS groups of the draws (S ≥ 4; the draws are
+        shared by every input, so their errors are not independent across inputs and the
+        error of the mean is not a per-input error over √B), and mc_std_ratio_z, the ratio's
+        distance from 1 in those errors (|z| ≤ 2: moments and Monte Carlo agree within Monte
+        Carlo's error); mc_samples: S. Learned variance,
+        the two parts of the total apart: mc_epistemic_std_ratio, the same ratio for the spread
+        of the mean output alone (its σ over weight draws), and mc_aleatoric_ratio, the mean of
         E[link(a₂)] by moments over its Monte Carlo mean (the predicted noise variance). The
         draws come from a fixed seed and the global random state is restored afterwards, so
         the hook neither depends on nor changes what the run draws elsewhere. With
@@ -368,13 +374,25 @@ class BayesianMLP(Method):
         if self.check_samples == 0:
             return {}
         mom = self._moments(inputs)
+        shift = mom.mean.double()
+        groups = min(CHECK_GROUPS, self.check_samples // 2)
         with _private_rng(inputs.device, seed=0):
-            mean, epistemic, aleatoric = self._mc_parts(inputs, self.check_samples,
-                                                        mom.mean.double())
+            sums = self._mc_sums(inputs, self.check_samples, shift, groups)
+        mean, epistemic, aleatoric = _parts_from_sums([t.sum(0) for t in sums], shift)
+        sd_mom = mom.var.double().sqrt()
+
+        def std_ratio(part: tuple[torch.Tensor, ...]) -> float:
+            _, epi, alea = _parts_from_sums(part, shift)
+            return (sd_mom / (epi + alea + self.min_var).sqrt()).mean().item()
+
         sd_mc = (epistemic + aleatoric + self.min_var).sqrt()
         found = {"mc_mean_gap": ((mom.mean.double() - mean).abs() / sd_mc).mean().item(),
-                 "mc_std_ratio": (mom.var.double().sqrt() / sd_mc).mean().item(),
+                 "mc_std_ratio": (sd_mom / sd_mc).mean().item(),
                  "mc_samples": self.check_samples}
+        if groups >= 2:  # S ≥ 4: every group left out leaves at least two draws
+            se = _jackknife_se(std_ratio, sums)
+            found["mc_std_ratio_se"] = se
+            found["mc_std_ratio_z"] = (found["mc_std_ratio"] - 1.0) / se if se > 0 else math.nan
         if self.variance == "learned" and mom.var_aleatoric is not None:
             noise = mom.var_aleatoric.double()  # E[link(a₂)] + min_var, by moments
             found["mc_epistemic_std_ratio"] = (
@@ -419,27 +437,64 @@ class BayesianMLP(Method):
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Predictive mean, the variance of the mean output over the draws (epistemic) and the
         mean of link(a₂) (aleatoric; zeros for embedded variance), each (B, out), float64,
-        over ``samples`` weight draws taken in chunks of at most CHECK_CHUNK_ELEMENTS drawn
-        weights and activations, so memory stays bounded whatever S and the width. Sums are
-        taken around ``shift`` (B, out), a close guess of the mean, so Σy² − (Σy)²/S does not
-        cancel."""
+        over ``samples`` weight draws (:meth:`_mc_sums`, added up over its groups)."""
+        sums = self._mc_sums(x, samples, shift, groups=1)
+        return _parts_from_sums([t.sum(0) for t in sums], shift)
+
+    def _mc_sums(self, x: torch.Tensor, samples: int, shift: torch.Tensor, groups: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sums over ``samples`` weight draws, split into ``groups`` consecutive groups of
+        draws (as equal as the count allows): each (groups, B, out), float64, of the mean
+        output around ``shift`` (B, out; a close guess of the mean, so Σy² − (Σy)²/S does not
+        cancel), of its square and of link(a₂) (zeros for embedded variance), and the number
+        of draws per group (groups, 1, 1). The draws are taken in chunks of at most
+        CHECK_CHUNK_ELEMENTS drawn weights and activations, so memory stays bounded whatever S
+        and the width; how they are grouped does not change which draws are taken."""
         d = self.out_dim
         layers = [m for m in self.net if isinstance(m, GaussianLinear)]
         per_draw = sum(m.weight_mu.numel() + m.bias_mu.numel() + x.shape[0] * m.out_features
                        for m in layers)
         chunk = max(1, min(samples, CHECK_CHUNK_ELEMENTS // per_draw))
-        total = torch.zeros_like(shift)
-        square = torch.zeros_like(shift)
-        link = torch.zeros_like(shift)
+        bounds = [round(g * samples / groups) for g in range(groups + 1)]
+        total = shift.new_zeros((groups, *shift.shape))
+        square, link = torch.zeros_like(total), torch.zeros_like(total)
         for start in range(0, samples, chunk):
             out = self._draws(x, min(chunk, samples - start)).double()  # (s, B, outputs)
             y = out[..., :d] - shift
-            total += y.sum(0)
-            square += (y * y).sum(0)
-            if self.variance == "learned":
-                link += apply_link(self.variance_link, out[..., d:]).sum(0)
-        epistemic = ((square - total * total / samples) / (samples - 1)).clamp_min(0)
-        return shift + total / samples, epistemic, link / samples
+            noise = apply_link(self.variance_link, out[..., d:]) if self.variance == "learned" \
+                else None
+            for g in range(groups):  # the part of this chunk in group g
+                lo = max(bounds[g], start) - start
+                hi = min(bounds[g + 1], start + out.shape[0]) - start
+                if hi <= lo:
+                    continue
+                total[g] += y[lo:hi].sum(0)
+                square[g] += (y[lo:hi] * y[lo:hi]).sum(0)
+                if noise is not None:
+                    link[g] += noise[lo:hi].sum(0)
+        counts = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)],
+                              dtype=total.dtype, device=total.device).view(groups, 1, 1)
+        return total, square, link, counts
+
+
+def _parts_from_sums(sums: Sequence[torch.Tensor], shift: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mean, epistemic variance (unbiased) and mean link(a₂) from the sums (total, square,
+    link, count) over ``count`` draws (:meth:`BayesianMLP._mc_sums`, one group's or added)."""
+    total, square, link, count = sums
+    epistemic = ((square - total * total / count) / (count - 1)).clamp_min(0)
+    return shift + total / count, epistemic, link / count
+
+
+def _jackknife_se(stat: Callable[[tuple[torch.Tensor, ...]], float],
+                  sums: tuple[torch.Tensor, ...]) -> float:
+    """The jackknife standard error of a statistic of the draws' sums over their groups:
+    ``stat`` of the sums without each group in turn, √((G − 1)/G Σ (θ₋g − θ̄)²)."""
+    whole = tuple(t.sum(0) for t in sums)
+    groups = sums[0].shape[0]
+    left_out = torch.tensor([stat(tuple(w - t[g] for w, t in zip(whole, sums, strict=True)))
+                             for g in range(groups)], dtype=torch.float64)
+    return float(((groups - 1) / groups * ((left_out - left_out.mean()) ** 2).sum()).sqrt())
 
 
 def _predictive(mean: torch.Tensor, var: torch.Tensor, d: int, variance: str, link: str,
