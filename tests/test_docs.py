@@ -96,9 +96,10 @@ def produced() -> set[str]:
     t = torch.tensor([[0.0], [1.0]])
     names |= set(M.regression_metrics(t, t, t + 1)) | set(M.noise_recovery(t + 1, t + 1))
     for variance in ("embedded", "learned"):  # learned adds the total's two parts
-        bnn = BayesianMLP(MLP(width=2), DataInfo(task="regression", in_dim=1, out_dim=1),
-                          check_samples=4, variance=variance)
-        names |= set(bnn.diagnostics(t))
+        for covariance in ("diagonal", "full"):  # full adds its cost and the closure bound
+            bnn = BayesianMLP(MLP(width=2), DataInfo(task="regression", in_dim=1, out_dim=1),
+                              check_samples=4, variance=variance, covariance=covariance)
+            names |= set(bnn.diagnostics(t))
     # the conformal sets' and intervals' keys, <split>/cp_<score>/<name> and <split>/cp/<name>
     from uqbench.tasks.classification import ClassificationTask
     from uqbench.tasks.regression import RegressionTask

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from uqbench.backbones.mlp import MLP
 from uqbench.contracts import DataInfo
+from uqbench.methods import bnn as bnn_module
 from uqbench.methods.bnn import BayesianMLP, check_options
 from uqbench.methods.moments.activations import leaky_relu_moments
 from uqbench.methods.moments.covariance import (
@@ -286,6 +287,74 @@ def test_full_covariance_sigma_matches_monte_carlo_where_diagonal_does_not(depth
     assert abs(ratio_d.mean().item() - 1) > abs(ratio_f.mean().item() - 1) + 0.02
     # the means agree with Monte Carlo either way (within 5 SE)
     assert ((mean_f - mean_mc).abs() <= 5 * (var_mc / 40_000).sqrt()).all()
+
+
+def test_the_closure_bound_is_exact_where_the_last_closure_is():
+    """mc_closure_std_ratio starts the pass from Monte Carlo's own moments of the last
+    activation's input, so it is exact up to Monte Carlo error wherever that activation's
+    Gaussian closure is: a linear last activation (slope 1, exact for any distribution) at
+    depth 3, whose units are strongly correlated (the diagonal pass is off by > 10 %, so
+    moments without the estimated covariances would be too); and ReLU at depth 1, whose input
+    is exactly Gaussian. Within 4 jackknife errors of 1 (the errors of σ_MC, shared with
+    mc_std_ratio), plus 1 % for the covariance estimated from the same draws."""
+    x = torch.linspace(-2, 2, 9, dtype=F64).unsqueeze(1)
+    linear_last = _correlated_bnn(3, covariance="full", check_samples=4000)
+    diag = _correlated_bnn(3, check_samples=4000)
+    for net in (linear_last, diag):
+        net.net[-2].slope = 1.0  # the last activation: identity
+    found = linear_last.diagnostics(x)
+    assert "mc_closure_std_ratio" not in diag.diagnostics(x)  # the full pass's check only
+    assert abs(diag.diagnostics(x)["mc_std_ratio"] - 1) > 0.1
+    assert abs(found["mc_closure_std_ratio"] - 1) <= 4 * found["mc_std_ratio_se"] + 0.01
+    torch.manual_seed(0)
+    shallow = BayesianMLP(MLP(width=16, depth=1), INFO, rho_init=-1.0, covariance="full",
+                          check_samples=4000).double()
+    found = shallow.diagnostics(x)
+    assert abs(found["mc_closure_std_ratio"] - 1) <= 4 * found["mc_std_ratio_se"] + 0.01
+    # the full pass is exact here too: the two ratios share σ_MC, so they differ by the
+    # covariance estimate's error only
+    assert abs(found["mc_closure_std_ratio"] - found["mc_std_ratio"]) <= 0.01
+
+
+@pytest.mark.parametrize("variance", ["embedded", "learned"])
+def test_the_closure_bound_is_the_pass_from_the_draws_moments(variance, monkeypatch):
+    """The bound, computed in chunks of a few draws with running sums, equals the full pass
+    started by hand from torch.cov of the same draws of the last hidden pre-activation (the
+    seed and chunks of diagnostics give the same draws), over σ_MC of the same draws' outputs:
+    to rounding, for both heads (learned: the link's expectation included), with chunks that
+    straddle the draws unevenly."""
+    monkeypatch.setattr(bnn_module, "CHECK_CHUNK_ELEMENTS", 7 * 9 * 10)
+    torch.manual_seed(3)
+    bnn = BayesianMLP(MLP(width=4, depth=3), INFO, variance=variance, rho_init=-0.5,
+                      covariance="full", check_samples=301).double()
+    x = torch.linspace(-2, 2, 9, dtype=F64).unsqueeze(1)
+    layers = list(bnn.net)
+    with torch.no_grad(), bnn_module._private_rng(x.device, seed=0):
+        pre, out = [], []
+        per_draw = sum(m.weight_mu.numel() + m.bias_mu.numel() + 9 * m.out_features
+                       for m in layers if isinstance(m, GaussianLinear))
+        chunk = max(1, 7 * 9 * 10 // per_draw)
+        for start in range(0, 301, chunk):
+            h = x.expand(min(chunk, 301 - start), *x.shape)
+            for m in layers[:5]:
+                h = m.forward_sampled(h)
+            pre.append(h)
+            for m in layers[5:]:
+                h = m.forward_sampled(h)
+            out.append(h)
+    a, y = torch.cat(pre), torch.cat(out)
+    assert chunk < 301 and 301 % chunk != 0  # several chunks, a short last one
+    mean = a.mean(0)
+    cov = torch.stack([torch.cov(a[:, b].T) for b in range(9)])
+    with torch.no_grad():
+        m1, v1, c1 = layers[5].forward_full(mean, cov.diagonal(dim1=-2, dim2=-1), cov)
+        m2, v2, _ = layers[6].forward_full(m1, v1, c1, full_out=False)
+        sd = bnn._head(m2, v2).var.sqrt()
+    total = y[..., :1].var(0)
+    if variance == "learned":
+        total = total + F.softplus(y[..., 1:]).mean(0)
+    expected = (sd / (total + bnn.min_var).sqrt()).mean().item()
+    assert bnn.closure_bound(x) == pytest.approx(expected, rel=1e-9)
 
 
 @pytest.mark.parametrize("variance", ["embedded", "learned"])

@@ -369,7 +369,8 @@ class BayesianMLP(Method):
         E[link(a₂)] by moments over its Monte Carlo mean (the predicted noise variance). The
         draws come from a fixed seed and the global random state is restored afterwards, so
         the hook neither depends on nor changes what the run draws elsewhere. With
-        ``covariance: full`` also pass_cost_vs_diagonal: :meth:`pass_cost`.
+        ``covariance: full`` also pass_cost_vs_diagonal: :meth:`pass_cost`, and
+        mc_closure_std_ratio: :meth:`closure_bound`.
         """
         if self.check_samples == 0:
             return {}
@@ -400,7 +401,74 @@ class BayesianMLP(Method):
             found["mc_aleatoric_ratio"] = ((noise - self.min_var) / aleatoric).mean().item()
         if self.covariance == "full":
             found["pass_cost_vs_diagonal"] = self.pass_cost(inputs)
+            bound = self.closure_bound(inputs)
+            if bound is not None:
+                found["mc_closure_std_ratio"] = bound
         return found
+
+    @torch.no_grad()
+    def closure_bound(self, inputs: torch.Tensor) -> float | None:
+        """The σ ratio to Monte Carlo when the moment pass starts from Monte Carlo's own mean
+        and covariance of the last activation's input (the pre-activation of the last hidden
+        layer, estimated from the ``check_samples`` draws of :meth:`diagnostics`, the same
+        seed and chunks), so that the Gaussian closure of that activation, and of the variance
+        link after it, is the only approximation left: what any pass that carries exact
+        Gaussian moments up to there gets. None without a hidden activation or below two
+        draws. Both σ come from these draws (the denominators of ``mc_std_ratio``); the
+        covariance estimated from S draws adds an error of its own, O(1/√S) per entry."""
+        layers = list(self.net)
+        hidden = [i for i, m in enumerate(layers) if not isinstance(m, GaussianLinear)]
+        samples = self.check_samples
+        if not hidden or samples < 2:
+            return None
+        k, d = hidden[-1], self.out_dim
+        x = inputs
+        linear = [m for m in layers if isinstance(m, GaussianLinear)]
+        per_draw = sum(m.weight_mu.numel() + m.bias_mu.numel() + x.shape[0] * m.out_features
+                       for m in linear)  # as _mc_sums: the same chunks, so the same draws
+        chunk = max(1, min(samples, CHECK_CHUNK_ELEMENTS // per_draw))
+        mom = self._moments(x)
+        shift = mom.mean.double()
+        total = square = link = first = outer = centre = None
+        with _private_rng(x.device, seed=0):
+            for start in range(0, samples, chunk):
+                h = x.expand(min(chunk, samples - start), *x.shape)
+                for m in layers[:k]:
+                    h = m.forward_sampled(h)
+                a = h.double()
+                centre = a.mean(0) if centre is None else centre  # against cancellation
+                c = a - centre
+                first = c.sum(0) if first is None else first + c.sum(0)
+                part = torch.einsum("sbi,sbj->bij", c, c)
+                outer = part if outer is None else outer + part
+                for m in layers[k:]:
+                    h = m.forward_sampled(h)
+                out = h.double()
+                y = out[..., :d] - shift
+                noise = (apply_link(self.variance_link, out[..., d:]).sum(0)
+                         if self.variance == "learned" else torch.zeros_like(shift))
+                total = y.sum(0) if total is None else total + y.sum(0)
+                square = (y * y).sum(0) if square is None else square + (y * y).sum(0)
+                link = noise if link is None else link + noise
+        assert first is not None and outer is not None and centre is not None
+        assert total is not None and square is not None and link is not None
+        count = torch.full_like(shift, float(samples))
+        _, epistemic, aleatoric = _parts_from_sums((total, square, link, count), shift)
+        sd_mc = (epistemic + aleatoric + self.min_var).sqrt()
+        mean_c = first / samples
+        cov = (outer - samples * mean_c.unsqueeze(-1) * mean_c.unsqueeze(-2)) / (samples - 1)
+        cov = 0.5 * (cov + cov.transpose(-1, -2))
+        dtype = linear[0].weight_mu.dtype
+        mean_t: torch.Tensor = (centre + mean_c).to(dtype)
+        var_t: torch.Tensor | None = cov.diagonal(dim1=-2, dim2=-1).clamp_min(0).to(dtype)
+        cov_t: torch.Tensor | None = cov.to(dtype)
+        rest = layers[k:]
+        for n, m in enumerate(rest):
+            mean_t, var_t, cov_t = m.forward_full(mean_t, var_t, cov_t,
+                                                  full_out=n < len(rest) - 1, fused=self.fused)
+        assert var_t is not None
+        bound = self._head(mean_t, var_t)
+        return (bound.var.double().sqrt() / sd_mc).mean().item()
 
     @torch.no_grad()
     def pass_cost(self, inputs: torch.Tensor, rounds: int = PASS_COST_ROUNDS) -> float:
