@@ -179,6 +179,18 @@ p2: $(STAMP)  ## P2's result experiments (width sweep, diabetes, calibrated, rho
 		$(BIN)/uqbench experiment=$$e $(P2_SWEEP) || exit 1; done
 	$(MAKE) --no-print-directory p2-depth-full
 	for e in $(P2_EXPERIMENTS); do $(BIN)/uqbench-tables --experiment $$e --quiet || exit 1; done
+	$(MAKE) --no-print-directory p2-depth-seeds
+
+# depth 3 over three seeds: train, score each network with the full pass too, table and claims
+# (does the full pass stay within 2 % of Monte Carlo for every network of a width?)
+.PHONY: p2-depth-seeds
+p2-depth-seeds: $(STAMP)  ## Depth 3 × 3 seeds, each network scored with the full pass too; table and claims (make p2 runs it)
+	$(BIN)/uqbench experiment=p2_depth_seeds $(P2_SWEEP)
+	shopt -s nullglob; runs=($${UQBENCH_RUNS:-runs}/p2_depth_seeds/polynomial/bnn_{embedded,learned}/*/seed*/); \
+	if [ $${#runs[@]} -eq 0 ]; then echo "no p2_depth_seeds runs to score"; exit 1; fi; \
+	$(BIN)/uqbench -m job=eval "eval_run=$$(IFS=,; echo "$${runs[*]}")" method.covariance=full \
+		skip_existing=true
+	$(BIN)/uqbench-tables --experiment p2_depth_seeds --quiet
 
 # p2_depth's diagonal-trained networks scored again with the full covariance between units
 # (the same weights, another inference: <run>/eval/polynomial,method.covariance=full/), rows

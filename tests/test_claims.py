@@ -285,6 +285,13 @@ def test_uqbench_tables_writes_the_claims_table_and_the_grid(tmp_path, capsys):
                                    "✗ -0.100 [-0.100, -0.100]"]
     md = (tmp_path / "t2" / "p2x_claims.md").read_text()
     assert "Each cell: mean [90% interval]" in md
+    # numeric setups (widths) in numeric order, before any named one
+    by_width = [r | {"variant": w} for w, r in zip((256, 4, 16, 64), base, strict=False)]
+    by_width += [r | {"variant": "named"} for r in runs[:1]]
+    _write(tmp_path / "runs4", by_width, grid_spec)
+    tables_main(["--runs", str(tmp_path / "runs4"), "--out", str(tmp_path / "t4"), "--quiet"])
+    grid = pd.read_csv(tmp_path / "t4" / "p2x_claims.csv", dtype=str)
+    assert list(grid["variant"]) == ["4", "16", "64", "256", "named"]
     # the cells have no room for the claim and its margin: a key under the grid gives them
     assert "- **ID @4**: embedded fits better at width 4. NLL diff; margin: > 0.000" in md
 

@@ -327,6 +327,15 @@ def _short(claim: dict, i: int) -> str:
     return claim.get("short", f"claim {i}")
 
 
+def _setup_order(setup: str) -> tuple[int, float, str]:
+    """The grid's row order: numbers first, by value (widths 4, 16, 64, 256; not "16" before
+    "4"), then the other setups alphabetically."""
+    try:
+        return (0, float(setup), "")
+    except ValueError:
+        return (1, 0.0, setup)
+
+
 def claims_grid(runs: list[Run], spec: dict[str, Any]) -> pd.DataFrame:
     """``claims_by``: a row per setup, a column per claim (its ``short`` title, else its
     number); each cell the verdict's mark, the mean and the interval."""
@@ -334,7 +343,7 @@ def claims_grid(runs: list[Run], spec: dict[str, Any]) -> pd.DataFrame:
     check_claims(spec["claims"], [r["title"] for r in spec["rows"]], confidence)
     by = spec["claims_by"]
     table = []
-    for setup in sorted({str(get_path(r, by)) for r in runs}):
+    for setup in sorted({str(get_path(r, by)) for r in runs}, key=_setup_order):
         sub = [r for r in runs if str(get_path(r, by)) == setup]
         table.append({by.split(".")[-1]: setup}
                      | {_short(c, i): _cell(evaluate(c, sub, spec["rows"], confidence))
