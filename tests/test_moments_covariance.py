@@ -318,11 +318,11 @@ def test_the_closure_bound_is_exact_where_the_last_closure_is():
 
 @pytest.mark.parametrize("variance", ["embedded", "learned"])
 def test_the_closure_bound_is_the_pass_from_the_draws_moments(variance, monkeypatch):
-    """The bound, computed in chunks of a few draws with running sums, equals the full pass
-    started by hand from torch.cov of the same draws of the last hidden pre-activation (the
-    seed and chunks of diagnostics give the same draws), over σ_MC of the same draws' outputs:
-    to rounding, for both heads (learned: the link's expectation included), with chunks that
-    straddle the draws unevenly."""
+    """The bound, computed in chunks of a few draws with running sums (the σ ratio's draws,
+    tapped on the way), equals the full pass started by hand from torch.cov of the same draws
+    of the last hidden pre-activation (the seed and chunks of diagnostics give the same
+    draws), over σ_MC of the same draws' outputs: to rounding, for both heads (learned: the
+    link's expectation included), with chunks that straddle the draws unevenly."""
     monkeypatch.setattr(bnn_module, "CHECK_CHUNK_ELEMENTS", 7 * 9 * 10)
     torch.manual_seed(3)
     bnn = BayesianMLP(MLP(width=4, depth=3), INFO, variance=variance, rho_init=-0.5,
@@ -354,7 +354,7 @@ def test_the_closure_bound_is_the_pass_from_the_draws_moments(variance, monkeypa
     if variance == "learned":
         total = total + F.softplus(y[..., 1:]).mean(0)
     expected = (sd / (total + bnn.min_var).sqrt()).mean().item()
-    assert bnn.closure_bound(x) == pytest.approx(expected, rel=1e-9)
+    assert bnn.diagnostics(x)["mc_closure_std_ratio"] == pytest.approx(expected, rel=1e-9)
 
 
 @pytest.mark.parametrize("variance", ["embedded", "learned"])

@@ -370,15 +370,17 @@ class BayesianMLP(Method):
         draws come from a fixed seed and the global random state is restored afterwards, so
         the hook neither depends on nor changes what the run draws elsewhere. With
         ``covariance: full`` also pass_cost_vs_diagonal: :meth:`pass_cost`, and
-        mc_closure_std_ratio: :meth:`closure_bound`.
+        mc_closure_std_ratio: :meth:`_closure_bound`, from the same draws.
         """
         if self.check_samples == 0:
             return {}
         mom = self._moments(inputs)
         shift = mom.mean.double()
         groups = min(CHECK_GROUPS, self.check_samples // 2)
+        # the full pass's check also taps the last activation's input, on the same draws
+        tap = self._closure_tap() if self.covariance == "full" else None
         with _private_rng(inputs.device, seed=0):
-            sums = self._mc_sums(inputs, self.check_samples, shift, groups)
+            sums = self._mc_sums(inputs, self.check_samples, shift, groups, tap)
         mean, epistemic, aleatoric = _parts_from_sums([t.sum(0) for t in sums], shift)
         sd_mom = mom.var.double().sqrt()
 
@@ -401,74 +403,34 @@ class BayesianMLP(Method):
             found["mc_aleatoric_ratio"] = ((noise - self.min_var) / aleatoric).mean().item()
         if self.covariance == "full":
             found["pass_cost_vs_diagonal"] = self.pass_cost(inputs)
-            bound = self.closure_bound(inputs)
-            if bound is not None:
-                found["mc_closure_std_ratio"] = bound
+        if tap is not None:
+            found["mc_closure_std_ratio"] = self._closure_bound(tap, sd_mc)
         return found
 
-    @torch.no_grad()
-    def closure_bound(self, inputs: torch.Tensor) -> float | None:
-        """The σ ratio to Monte Carlo when the moment pass starts from Monte Carlo's own mean
-        and covariance of the last activation's input (the pre-activation of the last hidden
-        layer, estimated from the ``check_samples`` draws of :meth:`diagnostics`, the same
-        seed and chunks), so that the Gaussian closure of that activation, and of the variance
-        link after it, is the only approximation left: what any pass that carries exact
-        Gaussian moments up to there gets. None without a hidden activation or below two
-        draws. Both σ come from these draws (the denominators of ``mc_std_ratio``); the
-        covariance estimated from S draws adds an error of its own, O(1/√S) per entry."""
-        layers = list(self.net)
-        hidden = [i for i, m in enumerate(layers) if not isinstance(m, GaussianLinear)]
-        samples = self.check_samples
-        if not hidden or samples < 2:
-            return None
-        k, d = hidden[-1], self.out_dim
-        x = inputs
-        linear = [m for m in layers if isinstance(m, GaussianLinear)]
-        per_draw = sum(m.weight_mu.numel() + m.bias_mu.numel() + x.shape[0] * m.out_features
-                       for m in linear)  # as _mc_sums: the same chunks, so the same draws
-        chunk = max(1, min(samples, CHECK_CHUNK_ELEMENTS // per_draw))
-        mom = self._moments(x)
-        shift = mom.mean.double()
-        total = square = link = first = outer = centre = None
-        with _private_rng(x.device, seed=0):
-            for start in range(0, samples, chunk):
-                h = x.expand(min(chunk, samples - start), *x.shape)
-                for m in layers[:k]:
-                    h = m.forward_sampled(h)
-                a = h.double()
-                centre = a.mean(0) if centre is None else centre  # against cancellation
-                c = a - centre
-                first = c.sum(0) if first is None else first + c.sum(0)
-                part = torch.einsum("sbi,sbj->bij", c, c)
-                outer = part if outer is None else outer + part
-                for m in layers[k:]:
-                    h = m.forward_sampled(h)
-                out = h.double()
-                y = out[..., :d] - shift
-                noise = (apply_link(self.variance_link, out[..., d:]).sum(0)
-                         if self.variance == "learned" else torch.zeros_like(shift))
-                total = y.sum(0) if total is None else total + y.sum(0)
-                square = (y * y).sum(0) if square is None else square + (y * y).sum(0)
-                link = noise if link is None else link + noise
-        assert first is not None and outer is not None and centre is not None
-        assert total is not None and square is not None and link is not None
-        count = torch.full_like(shift, float(samples))
-        _, epistemic, aleatoric = _parts_from_sums((total, square, link, count), shift)
-        sd_mc = (epistemic + aleatoric + self.min_var).sqrt()
-        mean_c = first / samples
-        cov = (outer - samples * mean_c.unsqueeze(-1) * mean_c.unsqueeze(-2)) / (samples - 1)
-        cov = 0.5 * (cov + cov.transpose(-1, -2))
-        dtype = linear[0].weight_mu.dtype
-        mean_t: torch.Tensor = (centre + mean_c).to(dtype)
+    def _closure_tap(self) -> _Tap | None:
+        """A tap at the last activation's input (the last hidden layer's pre-activation), or
+        None without a hidden activation."""
+        hidden = [i for i, m in enumerate(self.net) if not isinstance(m, GaussianLinear)]
+        return _Tap(hidden[-1]) if hidden else None
+
+    def _closure_bound(self, tap: _Tap, sd_mc: torch.Tensor) -> float:
+        """mc_closure_std_ratio: the σ ratio to Monte Carlo (``sd_mc``, (B, out)) when the
+        moment pass starts from Monte Carlo's own mean and covariance of the last activation's
+        input (``tap``'s, over the same draws), so that the Gaussian closure of that
+        activation, and of the variance link after it, is the only approximation left: what
+        any pass that carries exact Gaussian moments up to there gets. The covariance estimated
+        from S draws adds an error of its own, O(1/√S) per entry."""
+        mean, cov = tap.moments()
+        dtype = next(m for m in self.net if isinstance(m, GaussianLinear)).weight_mu.dtype
+        mean_t: torch.Tensor = mean.to(dtype)
         var_t: torch.Tensor | None = cov.diagonal(dim1=-2, dim2=-1).clamp_min(0).to(dtype)
         cov_t: torch.Tensor | None = cov.to(dtype)
-        rest = layers[k:]
+        rest = list(self.net)[tap.layer:]
         for n, m in enumerate(rest):
             mean_t, var_t, cov_t = m.forward_full(mean_t, var_t, cov_t,
                                                   full_out=n < len(rest) - 1, fused=self.fused)
         assert var_t is not None
-        bound = self._head(mean_t, var_t)
-        return (bound.var.double().sqrt() / sd_mc).mean().item()
+        return (self._head(mean_t, var_t).var.double().sqrt() / sd_mc).mean().item()
 
     @torch.no_grad()
     def pass_cost(self, inputs: torch.Tensor, rounds: int = PASS_COST_ROUNDS) -> float:
@@ -509,7 +471,8 @@ class BayesianMLP(Method):
         sums = self._mc_sums(x, samples, shift, groups=1)
         return _parts_from_sums([t.sum(0) for t in sums], shift)
 
-    def _mc_sums(self, x: torch.Tensor, samples: int, shift: torch.Tensor, groups: int
+    def _mc_sums(self, x: torch.Tensor, samples: int, shift: torch.Tensor, groups: int,
+                 tap: _Tap | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sums over ``samples`` weight draws, split into ``groups`` consecutive groups of
         draws (as equal as the count allows): each (groups, B, out), float64, of the mean
@@ -517,7 +480,8 @@ class BayesianMLP(Method):
         cancel), of its square and of link(a₂) (zeros for embedded variance), and the number
         of draws per group (groups, 1, 1). The draws are taken in chunks of at most
         CHECK_CHUNK_ELEMENTS drawn weights and activations, so memory stays bounded whatever S
-        and the width; how they are grouped does not change which draws are taken."""
+        and the width; how they are grouped does not change which draws are taken. ``tap``
+        also collects one layer's input over the same draws (:class:`_Tap`)."""
         d = self.out_dim
         layers = [m for m in self.net if isinstance(m, GaussianLinear)]
         per_draw = sum(m.weight_mu.numel() + m.bias_mu.numel() + x.shape[0] * m.out_features
@@ -527,7 +491,9 @@ class BayesianMLP(Method):
         total = shift.new_zeros((groups, *shift.shape))
         square, link = torch.zeros_like(total), torch.zeros_like(total)
         for start in range(0, samples, chunk):
-            out = self._draws(x, min(chunk, samples - start)).double()  # (s, B, outputs)
+            n = min(chunk, samples - start)
+            out = (self._draws(x, n) if tap is None
+                   else tap.through(self.net, x.expand(n, *x.shape))).double()  # (s, B, outputs)
             y = out[..., :d] - shift
             noise = apply_link(self.variance_link, out[..., d:]) if self.variance == "learned" \
                 else None
@@ -543,6 +509,40 @@ class BayesianMLP(Method):
         counts = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)],
                               dtype=total.dtype, device=total.device).view(groups, 1, 1)
         return total, square, link, counts
+
+
+class _Tap:
+    """Running sums, float64, of the input of layer ``layer`` over sampled passes: its mean
+    (B, d) and covariance (B, d, d) over the draws, around the first chunk's mean (against
+    cancellation)."""
+
+    def __init__(self, layer: int) -> None:
+        self.layer, self.count = layer, 0
+        self.centre: torch.Tensor | None = None
+        self.first: torch.Tensor | None = None
+        self.outer: torch.Tensor | None = None
+
+    def through(self, net: MomentSequential, x: torch.Tensor) -> torch.Tensor:
+        """``net.forward_sampled(x)`` (the same draws, in the same order), adding the tapped
+        layer's input (S, B, d) to the sums on the way."""
+        for i, m in enumerate(net):
+            if i == self.layer:
+                a = x.double()
+                self.centre = a.mean(0) if self.centre is None else self.centre
+                c = a - self.centre
+                part, outer = c.sum(0), torch.einsum("sbi,sbj->bij", c, c)
+                self.first = part if self.first is None else self.first + part
+                self.outer = outer if self.outer is None else self.outer + outer
+                self.count += a.shape[0]
+            x = m.forward_sampled(x)
+        return x
+
+    def moments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tapped input's mean and unbiased covariance over the draws (two or more)."""
+        assert self.centre is not None and self.first is not None and self.outer is not None
+        mean = self.first / self.count
+        cov = (self.outer - self.count * mean.unsqueeze(-1) * mean.unsqueeze(-2)) / (self.count - 1)
+        return self.centre + mean, 0.5 * (cov + cov.transpose(-1, -2))
 
 
 def _parts_from_sums(sums: Sequence[torch.Tensor], shift: torch.Tensor
