@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from uqbench.report.claims import get_path
+from uqbench.report.claims import get_path, sort_key
 from uqbench.report.validation import Run, figure_keys, figure_specs, is_number, setting_of
 
 MISSING = "–"  # a cell, a row key or a paper value that has no number
@@ -85,10 +85,6 @@ def missing_keys(exp: str, spec: dict[str, Any], runs: list[Run]) -> list[str]:
 
 
 # --- the table ---------------------------------------------------------------------------------
-
-def sort_key(value: Any) -> tuple:
-    return (0, value, "") if is_number(value) else (1, 0, str(value))
-
 
 def show_key(value: Any, fmt: str | None = None) -> str:
     """A row key (or a figure's hue) as the table shows it: the row's fmt for numbers, else

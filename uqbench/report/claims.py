@@ -103,6 +103,13 @@ def get_path(obj: dict[str, Any], dotted: str) -> Any:
     return cur
 
 
+def sort_key(value: Any) -> tuple:
+    """The order of a row key's values, in tables and claims grids: numbers first, by value
+    (widths 4, 16, 64, 256; not "16" before "4"), then the rest as text."""
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return (0, value, "") if is_number else (1, 0, str(value))
+
+
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -327,15 +334,6 @@ def _short(claim: dict, i: int) -> str:
     return claim.get("short", f"claim {i}")
 
 
-def _setup_order(setup: str) -> tuple[int, float, str]:
-    """The grid's row order: numbers first, by value (widths 4, 16, 64, 256; not "16" before
-    "4"), then the other setups alphabetically."""
-    try:
-        return (0, float(setup), "")
-    except ValueError:
-        return (1, 0.0, setup)
-
-
 def claims_grid(runs: list[Run], spec: dict[str, Any]) -> pd.DataFrame:
     """``claims_by``: a row per setup, a column per claim (its ``short`` title, else its
     number); each cell the verdict's mark, the mean and the interval."""
@@ -343,7 +341,8 @@ def claims_grid(runs: list[Run], spec: dict[str, Any]) -> pd.DataFrame:
     check_claims(spec["claims"], [r["title"] for r in spec["rows"]], confidence)
     by = spec["claims_by"]
     table = []
-    for setup in sorted({str(get_path(r, by)) for r in runs}, key=_setup_order):
+    values = {str(get_path(r, by)): get_path(r, by) for r in runs}  # a setup's runs: by text
+    for setup in sorted(values, key=lambda text: sort_key(values[text])):
         sub = [r for r in runs if str(get_path(r, by)) == setup]
         table.append({by.split(".")[-1]: setup}
                      | {_short(c, i): _cell(evaluate(c, sub, spec["rows"], confidence))

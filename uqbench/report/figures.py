@@ -9,8 +9,8 @@ from typing import Any
 
 import pandas as pd
 
-from uqbench.report.building import show_key, sort_key
-from uqbench.report.claims import get_path
+from uqbench.report.building import show_key
+from uqbench.report.claims import get_path, sort_key
 from uqbench.report.validation import Run, key_list
 
 
