@@ -186,10 +186,7 @@ p2: $(STAMP)  ## P2's result experiments (width sweep, diabetes, calibrated, rho
 .PHONY: p2-depth-seeds
 p2-depth-seeds: $(STAMP)  ## Depth 3 × 3 seeds, each network scored with the full pass too; table and claims (make p2 runs it)
 	$(BIN)/uqbench experiment=p2_depth_seeds $(P2_SWEEP)
-	shopt -s nullglob; runs=($${UQBENCH_RUNS:-runs}/p2_depth_seeds/polynomial/bnn_{embedded,learned}/*/seed*/); \
-	if [ $${#runs[@]} -eq 0 ]; then echo "no p2_depth_seeds runs to score"; exit 1; fi; \
-	$(BIN)/uqbench -m job=eval "eval_run=$$(IFS=,; echo "$${runs[*]}")" method.covariance=full \
-		skip_existing=true
+	$(call score_full,p2_depth_seeds)
 	$(BIN)/uqbench-tables --experiment p2_depth_seeds --quiet
 
 # p2_depth's diagonal-trained networks scored again with the full covariance between units
@@ -197,7 +194,13 @@ p2-depth-seeds: $(STAMP)  ## Depth 3 × 3 seeds, each network scored with the fu
 # of its table beside p2_depth_full's networks trained with it; one multirun, one process
 .PHONY: p2-depth-full
 p2-depth-full: $(STAMP)  ## Score every diagonal-trained p2_depth run with method.covariance=full too (make p2 runs it)
-	shopt -s nullglob; runs=($${UQBENCH_RUNS:-runs}/p2_depth/polynomial/bnn_{embedded,learned}/*/seed*/); \
-	if [ $${#runs[@]} -eq 0 ]; then echo "no p2_depth runs to score: run make p2 first"; exit 1; fi; \
+	$(call score_full,p2_depth)
+
+# every BNN run of experiment $(1) scored again with method.covariance=full, in one multirun
+# (<run>/eval/polynomial,method.covariance=full/); refuses when it finds no run
+define score_full
+	shopt -s nullglob; runs=($${UQBENCH_RUNS:-runs}/$(1)/polynomial/bnn_{embedded,learned}/*/seed*/); \
+	if [ $${#runs[@]} -eq 0 ]; then echo "no $(1) runs to score: run make p2 first"; exit 1; fi; \
 	$(BIN)/uqbench -m job=eval "eval_run=$$(IFS=,; echo "$${runs[*]}")" method.covariance=full \
 		skip_existing=true
+endef
