@@ -468,7 +468,8 @@ def test_full_pass_gradients_pass_gradcheck():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"covariance": "block"}, r"method.covariance 'block' is not one of \('diagonal', 'full'\)"),
+    ({"covariance": "block"},
+     r"method.covariance 'block' is not one of \('diagonal', 'full', 'mixture'\)"),
     ({"covariance": "full", "training": "sampling"},
      r"method.covariance: full .* method.training 'sampling' .* method.training: moments"),
     ({"covariance": "full", "compile": True},

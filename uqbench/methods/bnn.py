@@ -67,12 +67,13 @@ from uqbench.methods.moments.layers import (
     MomentSequential,
 )
 from uqbench.methods.moments.links import LINKS, apply_link, expected_link
+from uqbench.methods.moments.mixture import mix, mixture_moments
 from uqbench.methods.moments.step import Plan, fusable, fused_plan, planned_moments_and_kl
 
 VARIANCES = ("embedded", "learned")
 INFERENCES = ("moments", "mc")
 TRAININGS = ("moments", "sampling")
-COVARIANCES = ("diagonal", "full")
+COVARIANCES = ("diagonal", "full", "mixture")
 CONVERTS = "nn.Linear (with a bias), nn.LeakyReLU, nn.ReLU"
 PASS_COST_ROUNDS = 3  # diagnostics: rounds of the full-vs-diagonal pass timing (median)
 CHECK_CHUNK_ELEMENTS = 2**22  # diagnostics: drawn weights + activations per MC chunk (cache-sized)
@@ -84,7 +85,8 @@ def check_options(variance: str = "embedded", inference: str = "moments",
                   training: str = "moments", mc_samples: int = 200, train_samples: int = 16,
                   check_samples: int = 2000, prior_std: float = 1.0, kl_scale: float = 1.0,
                   kl_weight: float | None = None, fused: bool = True, compile: bool = False,
-                  covariance: str = "diagonal", **_: Any) -> None:
+                  covariance: str = "diagonal", mixture_modes: int = 2, mixture_nodes: int = 8,
+                  **_: Any) -> None:
     """Refuse a setting the BNN cannot use, naming the value and the valid choices; the
     runner calls it (through :meth:`BayesianMLP.check_settings`) before anything is built."""
     for key, value, choices in (("variance", variance, VARIANCES),
@@ -95,8 +97,9 @@ def check_options(variance: str = "embedded", inference: str = "moments",
                                 ("covariance", covariance, COVARIANCES)):
         if value not in choices:
             raise ValueError(f"method.{key} '{value}' is not one of {choices}")
-    if covariance == "full" and training != "moments":
-        raise ValueError(f"method.covariance: full propagates the loss's moments analytically; "
+    if covariance != "diagonal" and training != "moments":
+        raise ValueError(f"method.covariance: {covariance} propagates the loss's moments "
+                         f"analytically; "
                          f"method.training '{training}' draws weights instead. Set "
                          f"method.training: moments, or method.covariance: diagonal")
     if not (prior_std > 0 and math.isfinite(prior_std)):
@@ -117,9 +120,12 @@ def check_options(variance: str = "embedded", inference: str = "moments",
     if compile and not fused:
         raise ValueError("method.compile: true compiles the fused moment pass; set "
                          "method.fused: true, or method.compile: false for the reference path")
-    if compile and covariance == "full":
-        raise ValueError("method.compile: true compiles the diagonal moment pass only; with "
-                         "method.covariance: full set method.compile: false")
+    if compile and covariance != "diagonal":
+        raise ValueError(f"method.compile: true compiles the diagonal moment pass only; with "
+                         f"method.covariance: {covariance} set method.compile: false")
+    for key, count in (("mixture_modes", mixture_modes), ("mixture_nodes", mixture_nodes)):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"method.{key} must be an integer >= 1, got {count!r}")
 
 
 def tabular_backbones() -> str:
@@ -160,7 +166,8 @@ class BayesianMLP(Method):
 
     task = "regression"
     speed_options: tuple[str, ...] = ("fused", "compile")  # not part of a run's identity
-    scoring_options: tuple[str, ...] = ("covariance", "inference", "mc_samples", "check_samples")
+    scoring_options: tuple[str, ...] = ("covariance", "mixture_modes", "mixture_nodes",
+                                        "inference", "mc_samples", "check_samples")
 
     def __init__(self, backbone: MLP, info: DataInfo, name: str = "bnn",
                  variance: str = "embedded", inference: str = "moments", mc_samples: int = 200,
@@ -168,13 +175,15 @@ class BayesianMLP(Method):
                  min_var: float = 1e-8, variance_link: str = "softplus", prior: str = "fixed",
                  kl_scale: float = 1.0, training: str = "moments", train_samples: int = 16,
                  check_samples: int = 2000, fused: bool = True, compile: bool = False,
-                 covariance: str = "diagonal") -> None:
+                 covariance: str = "diagonal", mixture_modes: int = 2,
+                 mixture_nodes: int = 8) -> None:
         super().__init__()
         check_options(variance=variance, inference=inference, variance_link=variance_link,
                       prior=prior, training=training, mc_samples=mc_samples,
                       train_samples=train_samples, check_samples=check_samples,
                       prior_std=prior_std, kl_scale=kl_scale, kl_weight=kl_weight,
-                      fused=fused, compile=compile, covariance=covariance)
+                      fused=fused, compile=compile, covariance=covariance,
+                      mixture_modes=mixture_modes, mixture_nodes=mixture_nodes)
         modality = getattr(backbone, "modality", None)
         if modality != "tabular":
             raise ValueError(
@@ -194,6 +203,7 @@ class BayesianMLP(Method):
         # speed only: the same moments to rounding (not `compile`: nn.Module's own method)
         self.fused, self.compiled = fused, compile
         self.covariance = covariance
+        self.mixture_modes, self.mixture_nodes = int(mixture_modes), int(mixture_nodes)
         self.out_dim = int(info.out_dim or 1)
         outputs = self.out_dim * (2 if variance == "learned" else 1)
         # The deterministic network only describes the layers: on the meta device it holds no
@@ -214,8 +224,10 @@ class BayesianMLP(Method):
                     f"{CONVERTS}. Backbones that work: {tabular_backbones()}")
             layers.append(twin)
         layers.append(GaussianLinear(backbone.feature_dim, outputs, prior_std, rho_init, prior))
-        if covariance == "full" and (bad := [type(m).__name__ for m in layers if not m.full_rule]):
-            raise ValueError(f"method.covariance: full needs a covariance rule in every layer; "
+        if covariance != "diagonal" and (
+                bad := [type(m).__name__ for m in layers if not m.full_rule]):
+            raise ValueError(f"method.covariance: {covariance} needs a covariance rule in every "
+                             f"layer; "
                              f"{bad[0]} has none (those with one: {FULL_RULES})")
         self.net = MomentSequential(*layers)
         self._one_node = fusable(self.net)  # the training loss's moments and KL in one node
@@ -225,19 +237,34 @@ class BayesianMLP(Method):
         """The choices and ranges of the config, before anything is read, built or written."""
         check_options(**settings)
 
+    @classmethod
+    def check_train(cls, settings: dict[str, Any]) -> None:
+        """A training job's refusals: ``covariance: mixture`` scores trained weights only (its
+        eigendecomposition has no gradient where a layer's covariance has repeated
+        eigenvalues); it is run by ``job=eval`` on weights trained with full or diagonal."""
+        if settings.get("covariance") == "mixture":
+            raise ValueError("method.covariance: mixture is a scoring option, not a training "
+                             "one: train with method.covariance: full (or diagonal), then score "
+                             "with job=eval method.covariance=mixture eval_run=<the run>")
+
     def settings(self) -> dict[str, Any]:
         return {"variance": self.variance, "inference": self.inference,
                 "variance_link": self.variance_link, "prior": self.prior,
                 "kl_scale": self.kl_scale, "kl_weight": self.kl_weight,
                 "training": self.training_mode, "train_samples": self.train_samples,
-                "check_samples": self.check_samples, "covariance": self.covariance}
+                "check_samples": self.check_samples, "covariance": self.covariance,
+                "mixture_modes": self.mixture_modes, "mixture_nodes": self.mixture_nodes}
 
     # -- moments: one analytic pass ----------------------------------------------------------
     def moment_pass(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and variance (B, outputs) of the network's output for inputs x (B, in), as
         ``fused`` and ``compile`` choose to compute them (every choice gives the same moments
         to rounding); no min_var, no link: the raw moment propagation. ``covariance: full``
-        carries the covariances between units through the hidden layers."""
+        carries the covariances between units through the hidden layers; ``mixture`` also
+        splits the last activation's input into a Gaussian mixture
+        (:mod:`~uqbench.methods.moments.mixture`), whose moments are mixed here."""
+        if self.covariance == "mixture":
+            return mix(*self._components(x))
         if self.covariance == "full":
             return self.net.forward_full(x, fused=self.fused)[:2]
         if not self.fused:
@@ -249,7 +276,28 @@ class BayesianMLP(Method):
         return self.net.forward_fused(x)
 
     def _moments(self, x: torch.Tensor) -> RegressionOutput:
+        if self.covariance == "mixture":
+            return self._mixed_head(*self._components(x))
         return self._head(*self.moment_pass(x))
+
+    def _components(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``covariance: mixture``: the output moments per component (B, N, outputs) and the
+        components' weights (N,)."""
+        return mixture_moments(list(self.net), x, self.mixture_modes, self.mixture_nodes,
+                               GaussianLinear, fused=self.fused)
+
+    def _mixed_head(self, mean: torch.Tensor, var: torch.Tensor,
+                    weights: torch.Tensor) -> RegressionOutput:
+        """The predictive moments of a mixture's components (B, N, outputs), weights (N,): the
+        first d outputs' mean and variance mixed (law of total variance), and (learned) the
+        weighted mean over the components of E[link(a₂)] under each one's Gaussian."""
+        d = self.out_dim
+        mu, epistemic = mix(mean[..., :d], var[..., :d], weights)
+        if self.variance == "embedded":
+            return RegressionOutput(mu, epistemic + self.min_var)
+        aleatoric = (weights.view(1, -1, 1) * expected_link(
+            self.variance_link, mean[..., d:], var[..., d:])).sum(1) + self.min_var
+        return RegressionOutput(mu, epistemic + aleatoric, aleatoric)
 
     def _head(self, mean: torch.Tensor, var: torch.Tensor) -> RegressionOutput:
         """The predictive moments from the raw output moments (B, outputs)."""
@@ -378,7 +426,7 @@ class BayesianMLP(Method):
         shift = mom.mean.double()
         groups = min(CHECK_GROUPS, self.check_samples // 2)
         # the full pass's check also taps the last activation's input, on the same draws
-        tap = self._closure_tap() if self.covariance == "full" else None
+        tap = self._closure_tap() if self.covariance != "diagonal" else None
         with _private_rng(inputs.device, seed=0):
             sums = self._mc_sums(inputs, self.check_samples, shift, groups, tap)
         mean, epistemic, aleatoric = _parts_from_sums([t.sum(0) for t in sums], shift)
@@ -401,7 +449,7 @@ class BayesianMLP(Method):
             found["mc_epistemic_std_ratio"] = (
                 (mom.var.double() - noise).sqrt() / epistemic.sqrt()).mean().item()
             found["mc_aleatoric_ratio"] = ((noise - self.min_var) / aleatoric).mean().item()
-        if self.covariance == "full":
+        if self.covariance != "diagonal":
             found["pass_cost_vs_diagonal"] = self.pass_cost(inputs)
         if tap is not None:
             found["mc_closure_std_ratio"] = self._closure_bound(tap, sd_mc)
@@ -437,7 +485,8 @@ class BayesianMLP(Method):
         """The time of this network's moment pass on ``inputs`` over the diagonal pass's (fused,
         not compiled: the default), measured side by side: in each of ``rounds`` rounds one pass
         of each, the diagonal one repeated until it has taken as long as the other (at most
-        1000 times) and averaged; the median of the rounds' ratios."""
+        1000 times) and averaged; the median of the rounds' ratios. A pass of a second or more
+        (a mixture's, on a wide layer) is timed in one round: its own time swamps the noise."""
         def timed(fn: Callable[[], object], times: int = 1) -> float:
             if inputs.device.type == "cuda":
                 torch.cuda.synchronize(inputs.device)
@@ -454,6 +503,8 @@ class BayesianMLP(Method):
             once = timed(lambda: self.net.forward_fused(inputs))
             times = int(min(1000, max(1, own / max(once, 1e-9))))
             ratios.append(own / timed(lambda: self.net.forward_fused(inputs), times))
+            if own >= 1.0:
+                break
         return float(sorted(ratios)[len(ratios) // 2])
 
     def _mc_moments(self, x: torch.Tensor, samples: int,

@@ -42,8 +42,22 @@ def check_config(cfg: DictConfig) -> None:
     check_eval_splits(cfg.get("eval_splits"))
     if cfg.get("job", "train") == "train":
         objective.check(cfg)  # the metric a sweeper reads, before any data or model
+        _check_method_training(cfg)
     if isinstance(cfg.get("logger"), DictConfig):
         build(cfg.logger)  # a tracker's settings are checked as it is built (cheap, offline)
+
+
+def _check_method_training(cfg: DictConfig) -> None:
+    """A method class may refuse to train with an option that only scores trained weights (a
+    classmethod ``check_train(settings: dict)``, e.g. the BNN's ``covariance: mixture``)."""
+    from hydra.utils import get_object
+
+    method = cfg.get("method")
+    if not (isinstance(method, DictConfig) and method.get("_target_")):
+        return
+    checker = getattr(get_object(str(method._target_)), "check_train", None)
+    if callable(checker):
+        checker(OmegaConf.to_container(method, resolve=True))
 
 
 def _check_method_trainer(cfg: DictConfig) -> None:
