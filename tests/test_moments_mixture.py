@@ -195,6 +195,13 @@ def test_bad_mixture_options_are_refused_by_name(kwargs, match):
         check_options(**kwargs)
 
 
+def test_the_settings_name_the_mixture_sizes_only_with_the_mixture():
+    mixed = BayesianMLP(MLP(width=4), INFO, covariance="mixture", mixture_modes=3).settings()
+    assert (mixed["covariance"], mixed["mixture_modes"], mixed["mixture_nodes"]) == (
+        "mixture", 3, 8)
+    assert "mixture_modes" not in BayesianMLP(MLP(width=4), INFO, covariance="full").settings()
+
+
 def test_training_with_the_mixture_is_refused_before_anything_is_built(compose_cfg):
     """A scoring option: a training job refuses it at the config check, naming the way to use
     it; a scoring job (job=eval) accepts it."""

@@ -253,7 +253,9 @@ class BayesianMLP(Method):
                 "kl_scale": self.kl_scale, "kl_weight": self.kl_weight,
                 "training": self.training_mode, "train_samples": self.train_samples,
                 "check_samples": self.check_samples, "covariance": self.covariance,
-                "mixture_modes": self.mixture_modes, "mixture_nodes": self.mixture_nodes}
+                # the mixture's sizes act only with it
+                **({"mixture_modes": self.mixture_modes, "mixture_nodes": self.mixture_nodes}
+                   if self.covariance == "mixture" else {})}
 
     # -- moments: one analytic pass ----------------------------------------------------------
     def moment_pass(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
