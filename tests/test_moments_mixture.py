@@ -17,7 +17,6 @@ from scipy import integrate, stats
 from uqbench.backbones.mlp import MLP
 from uqbench.contracts import DataInfo
 from uqbench.methods.bnn import BayesianMLP, check_options
-from uqbench.methods.moments.layers import GaussianLinear
 from uqbench.methods.moments.mixture import components, hermite_grid, mix, mixture_moments
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -164,7 +163,7 @@ def test_the_head_mixes_the_components(variance):
                       covariance="mixture", mixture_modes=2, mixture_nodes=3).double()
     x = torch.linspace(-1, 1, 5, dtype=F64).unsqueeze(1)
     with torch.no_grad():
-        mean, var, weights = mixture_moments(list(bnn.net), x, 2, 3, GaussianLinear)
+        mean, var, weights = mixture_moments(list(bnn.net), x, 2, 3)
         out = bnn(x)
     assert mean.shape == (5, 9, 2 if variance == "learned" else 1)
     m, v = mix(mean[..., :1], var[..., :1], weights)

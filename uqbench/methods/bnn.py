@@ -65,6 +65,7 @@ from uqbench.methods.moments.layers import (
     MomentModule,
     MomentReLU,
     MomentSequential,
+    full_pass,
 )
 from uqbench.methods.moments.links import LINKS, apply_link, expected_link
 from uqbench.methods.moments.mixture import mix, mixture_moments
@@ -286,7 +287,7 @@ class BayesianMLP(Method):
         """``covariance: mixture``: the output moments per component (B, N, outputs) and the
         components' weights (N,)."""
         return mixture_moments(list(self.net), x, self.mixture_modes, self.mixture_nodes,
-                               GaussianLinear, fused=self.fused)
+                               fused=self.fused)
 
     def _mixed_head(self, mean: torch.Tensor, var: torch.Tensor,
                     weights: torch.Tensor) -> RegressionOutput:
@@ -472,14 +473,10 @@ class BayesianMLP(Method):
         from S draws adds an error of its own, O(1/√S) per entry."""
         mean, cov = tap.moments()
         dtype = next(m for m in self.net if isinstance(m, GaussianLinear)).weight_mu.dtype
-        mean_t: torch.Tensor = mean.to(dtype)
-        var_t: torch.Tensor | None = cov.diagonal(dim1=-2, dim2=-1).clamp_min(0).to(dtype)
-        cov_t: torch.Tensor | None = cov.to(dtype)
-        rest = list(self.net)[tap.layer:]
-        for n, m in enumerate(rest):
-            mean_t, var_t, cov_t = m.forward_full(mean_t, var_t, cov_t,
-                                                  full_out=n < len(rest) - 1, fused=self.fused)
-        assert var_t is not None
+        mean_t, var_t, _ = full_pass(
+            list(self.net)[tap.layer:],
+            (mean.to(dtype), cov.diagonal(dim1=-2, dim2=-1).clamp_min(0).to(dtype),
+             cov.to(dtype)), fused=self.fused)
         return (self._head(mean_t, var_t).var.double().sqrt() / sd_mc).mean().item()
 
     @torch.no_grad()

@@ -11,7 +11,7 @@ between the units of a layer (:mod:`.covariance`, Wu et al. 2019).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import cast
 
 import torch
@@ -281,13 +281,8 @@ class MomentSequential(MomentModule):
         """Every layer's ``forward_full``; ``full_out`` applies to the last layer only (the
         network's output needs its variances alone), the layers before it pass their full
         covariance on. Returns the output's mean, variance (zeros for a deterministic network)
-        and covariance (None unless ``full_out``)."""
-        layers = list(self)
-        for n, layer in enumerate(layers):
-            mean, var, cov = layer.forward_full(mean, var, cov,
-                                                full_out=full_out or n < len(layers) - 1,
-                                                fused=fused)
-        return mean, torch.zeros_like(mean) if var is None else var, cov
+        and covariance (None unless ``full_out``): :func:`full_pass` over every layer."""
+        return full_pass(list(self), (mean, var, cov), full_out=full_out, fused=fused)
 
     def forward_sampled(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self:
@@ -296,3 +291,17 @@ class MomentSequential(MomentModule):
 
     def kl(self) -> torch.Tensor:
         return sum((layer.kl() for layer in self), torch.zeros(()))
+
+
+def full_pass(layers: Sequence[MomentModule], moments: FullMoments, full_out: bool = False,
+              fused: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``layers``' ``forward_full`` in turn from ``moments`` (a network's or a part's): every
+    layer but the last passes its full covariance on, the last only when ``full_out`` (an
+    output needs its variances alone). Returns the mean, the variance (zeros for a
+    deterministic input all through) and the covariance (None unless ``full_out``)."""
+    mean, var, cov = moments
+    for n, layer in enumerate(layers):
+        mean, var, cov = layer.forward_full(mean, var, cov,
+                                            full_out=full_out or n < len(layers) - 1,
+                                            fused=fused)
+    return mean, torch.zeros_like(mean) if var is None else var, cov

@@ -45,7 +45,7 @@ from functools import cache
 import numpy as np
 import torch
 
-from uqbench.methods.moments.layers import FullMoments, MomentModule
+from uqbench.methods.moments.layers import GaussianLinear, MomentModule, full_pass
 
 CHUNK_ELEMENTS = 2**24  # covariance entries (components × inputs × d²) taken through at once
 
@@ -61,10 +61,10 @@ def hermite_grid(modes: int, nodes: int) -> tuple[tuple[tuple[float, ...], ...],
     return points, weights
 
 
-def split_point(layers: Sequence[MomentModule], is_linear: type) -> int | None:
+def split_point(layers: Sequence[MomentModule]) -> int | None:
     """The index of the network's second-to-last activation (the layer whose input the mixture
     splits), or None with fewer than two activations."""
-    acts = [i for i, m in enumerate(layers) if not isinstance(m, is_linear)]
+    acts = [i for i, m in enumerate(layers) if not isinstance(m, GaussianLinear)]
     return acts[-2] if len(acts) >= 2 else None
 
 
@@ -87,17 +87,16 @@ def components(mean: torch.Tensor, cov: torch.Tensor, modes: int, nodes: int
 
 
 def mixture_moments(layers: Sequence[MomentModule], x: torch.Tensor, modes: int, nodes: int,
-                    is_linear: type, fused: bool = True
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    fused: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The network's output moments per component: means and variances (B, N, outputs) and the
     weights (N,), for inputs x (B, in) (module docstring). Fewer than two activations: one
     component, the plain full pass."""
     layers = list(layers)
-    at = split_point(layers, is_linear)
+    at = split_point(layers)
     if at is None:
-        mean, var, _ = _through(layers, (x, None, None), fused)
+        mean, var, _ = full_pass(layers, (x, None, None), fused=fused)
         return mean.unsqueeze(1), var.unsqueeze(1), x.new_ones(1)
-    mean, var, cov = _through(layers[:at], (x, None, None), fused, last_full=True)
+    mean, var, cov = full_pass(layers[:at], (x, None, None), full_out=True, fused=fused)
     if cov is None:
         cov = torch.diag_embed(var)
     b, d = mean.shape
@@ -109,8 +108,9 @@ def mixture_moments(layers: Sequence[MomentModule], x: torch.Tensor, modes: int,
         means, residual, _ = components(mean[lo:lo + step], cov[lo:lo + step], modes, nodes)
         bb = means.shape[0]
         res = residual.unsqueeze(1).expand(bb, n, d, d).reshape(bb * n, d, d)
-        part = _through(layers[at:], (means.reshape(bb * n, d),
-                                      res.diagonal(dim1=-2, dim2=-1).clamp_min(0), res), fused)
+        part = full_pass(layers[at:], (means.reshape(bb * n, d),
+                                       res.diagonal(dim1=-2, dim2=-1).clamp_min(0), res),
+                         fused=fused)
         outs.append((part[0].reshape(bb, n, -1), part[1].reshape(bb, n, -1)))
     return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs]), weights
 
@@ -124,15 +124,3 @@ def mix(mean: torch.Tensor, var: torch.Tensor, weights: torch.Tensor
     total = (w * mean).sum(1)
     spread = mean - total.unsqueeze(1)
     return total, (w * (var + spread * spread)).sum(1)
-
-
-def _through(layers: Sequence[MomentModule], moments: FullMoments, fused: bool,
-             last_full: bool = False
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``layers``' full pass from ``moments``; the last layer keeps its covariance only when
-    ``last_full`` (the output needs its variances alone)."""
-    mean, maybe_var, cov = moments
-    for i, m in enumerate(layers):
-        mean, maybe_var, cov = m.forward_full(
-            mean, maybe_var, cov, full_out=last_full or i < len(layers) - 1, fused=fused)
-    return mean, torch.zeros_like(mean) if maybe_var is None else maybe_var, cov
