@@ -47,33 +47,33 @@ def check_config(cfg: DictConfig) -> None:
         build(cfg.logger)  # a tracker's settings are checked as it is built (cheap, offline)
 
 
-def _check_method_training(cfg: DictConfig) -> None:
-    """A method class may refuse to train with an option that only scores trained weights (a
-    classmethod ``check_train(settings: dict)``, e.g. the BNN's ``covariance: mixture``)."""
+def _method_hook(cfg: DictConfig, name: str) -> Any:
+    """The classmethod ``name`` of the config's method class, or None (no method group, no
+    ``_target_``, or no such hook)."""
     from hydra.utils import get_object
 
     method = cfg.get("method")
     if not (isinstance(method, DictConfig) and method.get("_target_")):
-        return
-    checker = getattr(get_object(str(method._target_)), "check_train", None)
-    if callable(checker):
-        checker(OmegaConf.to_container(method, resolve=True))
+        return None
+    hook = getattr(get_object(str(method._target_)), name, None)
+    return hook if callable(hook) else None
+
+
+def _check_method_training(cfg: DictConfig) -> None:
+    """A method class may refuse to train with an option that only scores trained weights (a
+    classmethod ``check_train(settings: dict)``, e.g. the BNN's ``covariance: mixture``)."""
+    if (checker := _method_hook(cfg, "check_train")) is not None:
+        checker(OmegaConf.to_container(cfg.method, resolve=True))
 
 
 def _check_method_trainer(cfg: DictConfig) -> None:
     """A method class may refuse a trainer setting it cannot serve (a classmethod
     ``check_trainer(trainer: dict, method: dict)``, e.g. the Laplace methods and
     half-precision weights)."""
-    from hydra.utils import get_object
-
-    method, trainer = cfg.get("method"), cfg.get("trainer")
-    if not (isinstance(method, DictConfig) and isinstance(trainer, DictConfig)
-            and method.get("_target_")):
-        return
-    checker = getattr(get_object(str(method._target_)), "check_trainer", None)
-    if callable(checker):
+    trainer = cfg.get("trainer")
+    if isinstance(trainer, DictConfig) and (checker := _method_hook(cfg, "check_trainer")):
         checker(OmegaConf.to_container(trainer, resolve=True),
-                OmegaConf.to_container(method, resolve=True))
+                OmegaConf.to_container(cfg.method, resolve=True))
 
 
 def check_eval_splits(value: Any) -> None:
