@@ -51,3 +51,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def checkout_runs_untouched():
+    """Every test writes its runs under a temporary folder: the checkout's runs/ (a user's
+    results) holds after the suite exactly the entries it held before."""
+    from pathlib import Path
+
+    runs = Path(__file__).resolve().parents[1] / "runs"
+    before = set(runs.iterdir()) if runs.is_dir() else set()
+    yield
+    after = set(runs.iterdir()) if runs.is_dir() else set()
+    assert after <= before, (f"the test suite left {sorted(map(str, after - before))} in the "
+                             f"checkout's runs/ (a test ran a job without a temporary runs "
+                             f"folder or eval target)")

@@ -298,13 +298,31 @@ def test_tables_leave_member_runs_to_their_ensemble(trained):
 def test_job_eval_scores_a_combined_ensemble_from_its_members_checkpoints(trained, tmp_path):
     out, results = combine([trained[0], trained[1]], out=tmp_path / "combined")
     assert not (out / "checkpoint.ckpt").exists()  # the members keep theirs
-    run_cli("job=eval", f"eval_run='{out}'")
+    shell = tmp_path / "shell"  # the folder the command runs in: its runs/ stays untouched
+    shell.mkdir()
+    run_cli("job=eval", f"eval_run='{out}'", cwd=shell)
+    # the job's log is the scoring's, beside its results, not in the default config's folder
+    log = (out / "eval" / "fake_images" / "uqbench.log").read_text()
+    assert f"wrote {out}/eval/fake_images/results.json" in log
+    assert list(shell.iterdir()) == []
     scored = json.loads((out / "eval" / "fake_images" / "results.json").read_text())
     assert scored["scored_from"] == [str(trained[0]), str(trained[1])]
     assert scored["metrics"] == results["metrics"]
     np.testing.assert_array_equal(
         np.load(out / "eval" / "fake_images" / "predictions" / "test.npz")["member_probs"],
         probs(out, "test"))
+
+
+def test_a_refused_scoring_leaves_no_folder_in_the_run_or_where_it_ran(trained, tmp_path):
+    """Hydra makes the scoring's folder for its log before the job checks the command; a
+    refused job (a training setting a scoring cannot change) removes it again, and the run
+    keeps exactly its files."""
+    before = sorted(p.relative_to(trained[0]) for p in trained[0].rglob("*"))
+    proc = run_cli("job=eval", f"eval_run='{trained[0]}'", "trainer.epochs=7", cwd=tmp_path,
+                   check=False)
+    assert proc.returncode == 1 and "job=eval scores the run as it was trained" in proc.stderr
+    assert sorted(p.relative_to(trained[0]) for p in trained[0].rglob("*")) == before
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
 
 
 def test_combined_ensemble_logs_to_its_members_tracker(trained, tmp_path):

@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 from uqbench.errors import traceback_wanted, user_errors
 from uqbench.runner import engine, objective
-from uqbench.runner.eval_job import eval_job
+from uqbench.runner.eval_job import eval_job, scored_folder
 from uqbench.runner.parts import check_config
 from uqbench.runner.stacked import stacked_job, stacked_seeds
 from uqbench.runner.train_job import train_job
@@ -46,8 +46,9 @@ def run(cfg: DictConfig) -> dict[str, Any] | list[dict[str, Any]]:
 
 def _drop_log_only_folder(cfg: DictConfig) -> None:
     """A job refused before it wrote anything leaves no folder behind: Hydra made the run
-    folder for its log, so the folder (and the parents it made, up to the runs folder) goes
-    when the log is all it holds. A folder with anything else in it is never touched."""
+    folder (a scoring's: ``<run>/eval/<name>/``) for its log, so the folder and the parents it
+    made, up to the runs folder (a scoring's: up to its run), go when the log is all they
+    hold. A folder with anything else in it is never touched."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
@@ -57,7 +58,11 @@ def _drop_log_only_folder(cfg: DictConfig) -> None:
     if not folder.is_dir() or {p.name for p in folder.iterdir()} - {f"{hc.job.name}.log"}:
         return
     (folder / f"{hc.job.name}.log").unlink(missing_ok=True)
-    root = Path(str(cfg.paths.runs_dir)).resolve()
+    # the folders Hydra may have made: below the runs folder, or a scoring's below its run
+    bounds = [Path(str(cfg.paths.runs_dir)).resolve()]
+    if cfg.get("job") == "eval":
+        bounds.insert(0, scored_folder(cfg).resolve())
+    root = next((b for b in bounds if b in folder.resolve().parents), bounds[-1])
     for path in [folder.resolve(), *folder.resolve().parents]:
         if path == root or root not in path.parents:
             break

@@ -40,7 +40,7 @@ log = logging.getLogger("uqbench")
 
 def eval_job(cfg: DictConfig) -> dict[str, Any]:
     """``job=eval``: score a finished run on a dataset; return the results (also on disk)."""
-    run_dir = Path(str(cfg.eval_run)).expanduser() if cfg.get("eval_run") else Path(cfg.run_dir)
+    run_dir = scored_folder(cfg)
     stored, scored_run, sources = _sources(run_dir)
     keys = _command_keys()
     scoring = _scoring_overrides(keys, stored)
@@ -51,8 +51,7 @@ def eval_job(cfg: DictConfig) -> dict[str, Any]:
     configs = {s: _eval_config(cfg, c, chosen, changed, task_keys) for s, c in sources.items()}
     run_cfg = _eval_config(cfg, stored, chosen, changed, task_keys)
     device, fallback = resolve_device(str(cfg.device))
-    out = run_dir / "eval" / ",".join([str(run_cfg.dataset.name), *(
-        f"{k}={OmegaConf.select(cfg, k)}" for k in changed), *_restricted(cfg)])
+    out = _folder(cfg, run_dir, run_cfg, changed)
     with RunFolder(out, lock_on=run_dir) as folder:
         if (kept := _kept(cfg, out)) is not None:
             return kept
@@ -80,6 +79,32 @@ def eval_job(cfg: DictConfig) -> dict[str, Any]:
             folder.publish(stage)
     _track(cfg, run_cfg, run_config, results, out)
     return results
+
+
+def scored_folder(cfg: DictConfig) -> Path:
+    """The run a scoring job scores: ``eval_run``, or the folder the command names."""
+    return Path(str(cfg.eval_run)).expanduser() if cfg.get("eval_run") else Path(cfg.run_dir)
+
+
+def _folder(cfg: DictConfig, run_dir: Path, run_cfg: DictConfig, changed: list[str]) -> Path:
+    """``<run>/eval/<dataset>[,<key>=<value>…][,eval_splits=[…]]``: the scoring's folder, named
+    by the dataset scored, the dataset keys and scoring options the command changed, and the
+    splits when restricted."""
+    return run_dir / "eval" / ",".join([str(run_cfg.dataset.name), *(
+        f"{k}={OmegaConf.select(cfg, k)}" for k in changed), *_restricted(cfg)])
+
+
+def eval_folder(cfg: DictConfig) -> Path:
+    """The folder a ``job=eval`` command writes (:func:`_folder`), from its config and the
+    scored run's stored one, without building anything; Hydra puts the job's log there (the
+    ``uq.log_dir`` resolver), so a scoring keeps its log beside its results. Raises what
+    :func:`eval_job` would for a run that cannot be scored (no finished run there)."""
+    run_dir = scored_folder(cfg)
+    stored, _ = finished(run_dir)
+    keys = _command_keys()
+    chosen, changed = _dataset_overrides(keys)
+    changed += _scoring_overrides(keys, stored)
+    return _folder(cfg, run_dir, _eval_config(cfg, stored, chosen, changed), changed)
 
 
 def _settings(scored_run: dict[str, Any], run_cfg: DictConfig, data: Any,
