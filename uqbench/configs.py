@@ -99,27 +99,9 @@ def _run_dir(runs_dir: Any, subdir: str) -> str:
     return f"{text}/{subdir}"
 
 
-def _log_dir(default: str, *, _root_: DictConfig) -> str:
-    """Hydra's job folder (where it writes the job's log): ``default`` (the run folder) for a
-    training job; for a scoring job (``job=eval``) the scoring's own folder,
-    ``<run>/eval/<name>/``, so that its log lands beside its results and not in the run folder
-    the command's other settings name (the default config's, for ``job=eval eval_run=…``).
-    Where that folder cannot be named (no finished run at ``eval_run``), ``default``: the job
-    then refuses with its own message, and the log-only folder goes with it."""
-    if _root_.get("job") != "eval":
-        return default
-    from uqbench.runner.eval_job import eval_folder  # the runner, only for a scoring job
-
-    try:
-        return str(eval_folder(_root_).absolute())
-    except Exception:  # noqa: BLE001 - raised again, with the job's own message, by the job
-        return default
-
-
 # Registered on import: anything that composes uqbench's configs imports this module.
 OmegaConf.register_new_resolver("uq.run_subdir", _run_subdir, replace=True)
 OmegaConf.register_new_resolver("uq.run_dir", _run_dir, replace=True)
-OmegaConf.register_new_resolver("uq.log_dir", _log_dir, replace=True)
 
 
 def build(node: DictConfig | dict[str, Any]) -> Any:

@@ -270,3 +270,23 @@ def _dataset_overrides(keys: list[str] | None) -> tuple[bool, list[str]]:
     if keys is None:
         return True, []
     return "dataset" in keys, sorted(k for k in keys if k.startswith("dataset."))
+
+
+def _log_dir(default: str, *, _root_: DictConfig) -> str:
+    """Hydra's job folder (where it writes the job's log): ``default`` (the run folder) for a
+    training job; for a scoring job (``job=eval``) the scoring's own folder,
+    ``<run>/eval/<name>/``, so that its log lands beside its results and not in the run folder
+    the command's other settings name (the default config's, for ``job=eval eval_run=…``).
+    Where that folder cannot be named (no finished run at ``eval_run``), ``default``: the job
+    then refuses with its own message, and the log-only folder goes with it."""
+    if _root_.get("job") != "eval":
+        return default
+    try:
+        return str(eval_folder(_root_).absolute())
+    except Exception:  # noqa: BLE001 - raised again, with the job's own message, by the job
+        return default
+
+
+# Registered on import: the CLI (and every launcher's job process) imports this module before
+# Hydra resolves its job folder.
+OmegaConf.register_new_resolver("uq.log_dir", _log_dir, replace=True)
