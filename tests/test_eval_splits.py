@@ -113,3 +113,43 @@ def test_a_training_run_and_a_scoring_of_it_keep_to_their_splits(tmp_path):
     assert res["eval_splits"] == ["val"] and res["metrics"]
     assert all(k.startswith("val/") for k in res["metrics"])
     assert sorted(p.name for p in (scored / "predictions").iterdir()) == ["val.npz"]
+
+
+def test_a_scoring_jobs_hydra_folder_is_its_own_eval_folder(compose_cfg, tmp_path):
+    """Hydra's job folder (its log's) for job=eval, in a single run and in a sweep: the
+    scoring's own folder under the scored run, named like its results (the dataset and the
+    scoring options the command set), not the run folder the default config names; a training
+    job's is its run folder, and a scoring of no finished run falls back to it (the job then
+    refuses with its own message)."""
+    import os
+    from pathlib import Path
+
+    import yaml
+    from hydra.core.hydra_config import HydraConfig
+
+    run = tmp_path / "scored"
+    run.mkdir()
+    stored = compose_cfg(["method=bnn", "dataset=polynomial", f"paths.runs_dir={tmp_path}"])
+    (run / "config.yaml").write_text(yaml.safe_dump(OmegaConf.to_container(stored, resolve=True)))
+    (run / "results.json").write_text("{}")
+
+    def folders(*overrides: str) -> tuple[Path, Path, Path]:
+        cfg = compose_cfg([*overrides, f"paths.runs_dir={tmp_path / 'runs'}"],
+                          return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        try:
+            return (Path(str(cfg.hydra.run.dir)),
+                    Path(os.path.normpath(Path(str(cfg.hydra.sweep.dir))
+                                          / str(cfg.hydra.sweep.subdir))),
+                    Path(str(cfg.run_dir)))
+        finally:
+            HydraConfig.instance().cfg = None
+
+    single, swept, _ = folders("job=eval", f"eval_run={run}", "method.covariance=full",
+                               "eval_splits=[test]")
+    expected = run / "eval" / "polynomial,method.covariance=full,eval_splits=[test]"
+    assert single == swept == expected
+    single, swept, run_dir = folders("job=eval", f"eval_run={tmp_path / 'missing'}")
+    assert single == swept == Path(os.path.normpath(run_dir))
+    single, swept, run_dir = folders("method=bnn")
+    assert single == swept == Path(os.path.normpath(run_dir))
