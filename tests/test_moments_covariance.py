@@ -254,6 +254,30 @@ def test_activation_layer_covariance_matches_monte_carlo(slope):
     assert ((out - mc).abs() <= 5 * se).all()
 
 
+@pytest.mark.parametrize("slope", [0.0, 0.1])
+def test_the_compiled_full_covariance_equals_the_eager_one(slope, monkeypatch):
+    """A call without gradients of at least COMPILE_PAIRS pairs runs compiled (speed only):
+    the same matrix as the eager rules to rounding, wide means and near-±1 correlations
+    included; a call that needs gradients stays eager and differentiable."""
+    from uqbench.methods.moments import covariance
+
+    gen = torch.Generator().manual_seed(5)
+    mean = 3 * torch.randn(3, 12, generator=gen, dtype=F64)
+    base = torch.randn(3, 12, 2, generator=gen, dtype=F64)  # rank 2 + a little: |ρ| near 1
+    cov = base @ base.transpose(1, 2) + 1e-6 * torch.eye(12, dtype=F64)
+    _, var = leaky_relu_moments(mean, cov.diagonal(dim1=1, dim2=2), slope)
+    monkeypatch.setattr(covariance, "COMPILE_PAIRS", 10**12)
+    eager = leaky_relu_full_covariance(mean, cov, var, slope)
+    monkeypatch.setattr(covariance, "COMPILE_PAIRS", 1)
+    covariance._compiled_full_covariance.cache_clear()
+    with torch.no_grad():
+        compiled = leaky_relu_full_covariance(mean, cov, var, slope)
+    assert covariance._compiled_full_covariance.cache_info().currsize == 1  # it ran compiled
+    torch.testing.assert_close(compiled, eager, rtol=1e-12, atol=1e-15)
+    leaf = mean.clone().requires_grad_()
+    assert leaky_relu_full_covariance(leaf, cov, var, slope).grad_fn is not None
+
+
 def _correlated_bnn(depth: int, **kwargs) -> BayesianMLP:
     """Width 16, fixed seed, float64, σ = softplus(−3) ≈ 0.049 on every weight, and every mean
     weight made positive: the units of a layer then move together, so the independence that

@@ -33,6 +33,7 @@ applies the Leaky-ReLU rule to every pair of units of a (B, d) layer with a (B, 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import cache
 
 import numpy as np
@@ -123,6 +124,26 @@ class _Curvature(torch.autograd.Function):
                 scale * (2 * rho * total + rho * rho.abs() * d_tau))
 
 
+_TRACED_W, _TRACED_C, _ = _nodes(NODES)  # made once here: compiled code reads the constants
+
+
+def _curvature_traced(h: torch.Tensor, k: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
+    """:class:`_Curvature`'s value as plain out-of-place operations (the same nodes, the same
+    rearranged exponent), for torch.compile: compiled, the NODES terms of a pair are one loop
+    in registers instead of ~8 passes over memory per node."""
+    r = rho.abs()
+    one_minus_r = 1 - r
+    sign = torch.where(rho < 0, -1.0, 1.0).to(rho.dtype)
+    prod = sign * h * k
+    dist = (h.abs() - torch.where(prod < 0, -1.0, 1.0).to(h.dtype) * k.abs()) ** 2
+    total = torch.zeros_like(h)
+    for w, c in zip(_TRACED_W, _TRACED_C, strict=True):
+        g = one_minus_r + r * (w * w)
+        q = g * (2 - g)
+        total = total + c * torch.exp(-(dist + 2 * prod * g) / (2 * q)) * torch.rsqrt(q)
+    return rho * rho * total * _INV_2PI
+
+
 def relu_curvature(h: torch.Tensor, k: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
     """R(h, k, ρ) = ∫₀^ρ (ρ − τ) φ₂(h, k; τ) dτ ≥ 0, elementwise (broadcast), so that
     Cov(relu a, relu b) = σ_aσ_b[ρΦ(h)Φ(k) + R]. h, k: standardised means; ρ ∈ [−1, 1]."""
@@ -195,20 +216,66 @@ def activation_covariance(name: str, mean_a: torch.Tensor, var_a: torch.Tensor,
                      f"here; the ones supported: {', '.join(ACTIVATIONS)}")
 
 
+COMPILE_PAIRS = 2**20  # pairs in one call from which a call without gradients runs compiled
+
+
 def leaky_relu_full_covariance(mean: torch.Tensor, cov: torch.Tensor, out_var: torch.Tensor,
                                slope: float = 0.0) -> torch.Tensor:
     """The (B, d, d) covariance of leaky_relu(z, slope) for z ~ N(mean (B, d), cov (B, d, d)).
 
     Each of the d(d − 1)/2 pairs above the diagonal by :func:`leaky_relu_covariance`, mirrored
     below; the diagonal is ``out_var`` (B, d), the univariate rule's exact variance.
+
+    Speed only (the same numbers to rounding): a call of at least :data:`COMPILE_PAIRS` pairs
+    that needs no gradient (a scoring's full pass or mixture: thousands of pairs per input,
+    many inputs at once) runs compiled, the NODES terms of each pair one loop in registers
+    instead of ~8 passes over memory per node, and the gathers around them fused in (several
+    times faster on a CPU core in float64); everything else runs eagerly.
     """
     d = mean.shape[-1]
     i, j = torch.triu_indices(d, d, 1, device=mean.device)
+    needs_grad = torch.is_grad_enabled() and (mean.requires_grad or cov.requires_grad
+                                              or out_var.requires_grad)
+    if (not needs_grad and mean.shape[0] * i.numel() >= COMPILE_PAIRS
+            and not torch.compiler.is_compiling()):
+        return _compiled_full_covariance()(mean, cov, out_var, i, j, float(slope))
     var = cov.diagonal(dim1=-2, dim2=-1)
     off = leaky_relu_covariance(mean[:, i], var[:, i], mean[:, j], var[:, j], cov[:, i, j],
                                 slope)
-    diag = torch.arange(d, device=mean.device) * (d + 1)
+    return _assemble(off, out_var, i, j)
+
+
+def _assemble(off: torch.Tensor, out_var: torch.Tensor, i: torch.Tensor,
+              j: torch.Tensor) -> torch.Tensor:
+    """The (B, d, d) matrix with the pairs (i, j) ``off`` above the diagonal, mirrored below,
+    and ``out_var`` on it."""
+    b, d = out_var.shape
+    diag = torch.arange(d, device=out_var.device) * (d + 1)
     index = torch.cat([i * d + j, j * d + i, diag])
-    flat = mean.new_zeros(mean.shape[0], d * d).index_copy(1, index,
-                                                            torch.cat([off, off, out_var], 1))
+    flat = out_var.new_zeros(b, d * d).index_copy(1, index, torch.cat([off, off, out_var], 1))
     return flat.view(-1, d, d)
+
+
+def _full_covariance_traced(mean: torch.Tensor, cov: torch.Tensor, out_var: torch.Tensor,
+                            i: torch.Tensor, j: torch.Tensor, slope: float) -> torch.Tensor:
+    """:func:`leaky_relu_full_covariance` as plain out-of-place operations for torch.compile,
+    R by :func:`_curvature_traced` (no gradient)."""
+    var = cov.diagonal(dim1=-2, dim2=-1)
+    s, t = _standardise(mean, var)
+    slopes = slope + (1 - slope) * _cdf(t)  # each unit's expected slope, before the pairs
+    s_a, s_b, h, k = s[:, i], s[:, j], t[:, i], t[:, j]
+    c = cov[:, i, j]
+    rho = _correlation(c, s_a, s_b)
+    off = (c * (slopes[:, i] * slopes[:, j])
+           + (1 - slope) ** 2 * s_a * s_b * _curvature_traced(h, k, rho))
+    return _assemble(off, out_var, i, j)
+
+
+@cache
+def _compiled_full_covariance() -> Callable[..., torch.Tensor]:
+    """:func:`_full_covariance_traced` through torch.compile (dynamic sizes: one graph for every
+    width and chunk; the slope compiled in as a constant), built on first use. A compilation
+    that fails (no C++ compiler) runs the same function eagerly, with torch's warning."""
+    compiled = torch.compile(_full_covariance_traced, dynamic=True)
+    patch = torch._dynamo.config.patch(suppress_errors=True, specialize_float=True)
+    return patch(compiled)  # type: ignore[no-any-return]
