@@ -153,6 +153,23 @@ def test_mixture_sigma_matches_monte_carlo_where_the_full_pass_does_not():
     assert gap_m <= 0.02 and gap_m < gap_f
 
 
+@pytest.mark.parametrize("chunk", [16, 16 * 64 * 3, 2**30])
+def test_chunks_of_inputs_and_components_change_nothing(chunk, monkeypatch):
+    """Memory is bounded by taking inputs (below the split) and components (above it) in
+    chunks of CHUNK_ELEMENTS covariance entries: one input a chunk, three inputs' components
+    a chunk, or everything at once, the same moments to rounding."""
+    from uqbench.methods.moments import mixture
+
+    x = torch.linspace(-1.5, 1.5, 7, dtype=F64).unsqueeze(1)
+    net = list(_trained(covariance="mixture").net)
+    with torch.no_grad():
+        want = mixture_moments(net, x, 3, 4)
+        monkeypatch.setattr(mixture, "CHUNK_ELEMENTS", chunk)
+        got = mixture_moments(net, x, 3, 4)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
+
+
 @pytest.mark.parametrize("variance", ["embedded", "learned"])
 def test_the_head_mixes_the_components(variance):
     """The predictive moments of the mixture are the components' mixed by hand: the mean

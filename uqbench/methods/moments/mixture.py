@@ -31,8 +31,10 @@ and to the exact one as ``modes`` reaches the width as well.
 
 Cost: N times the rest of the network's full pass, taken over the components of a chunk of
 inputs at a time (:data:`CHUNK_ELEMENTS` of covariance entries), plus one eigendecomposition of
-each input's (d, d) Σ. A network with one hidden activation has nothing to split (its only
-activation's input is exactly Gaussian): the plain full pass.
+each input's (d, d) Σ; the pass up to the split takes the inputs in chunks of as many
+covariance entries too, so memory stays a few such chunks whatever the batch. A network with
+one hidden activation has nothing to split (its only activation's input is exactly Gaussian):
+the plain full pass.
 """
 
 from __future__ import annotations
@@ -96,6 +98,21 @@ def mixture_moments(layers: Sequence[MomentModule], x: torch.Tensor, modes: int,
     if at is None:
         mean, var, _ = full_pass(layers, (x, None, None), fused=fused)
         return mean.unsqueeze(1), var.unsqueeze(1), x.new_ones(1)
+    # the part below the split carries a (d, d) covariance per input: inputs in chunks too
+    widest = max(m.out_features for m in layers[:at] if isinstance(m, GaussianLinear))
+    outer = max(1, CHUNK_ELEMENTS // (widest * widest))
+    outs = [_split_and_finish(layers, at, x[lo:lo + outer], modes, nodes, fused)
+            for lo in range(0, x.shape[0], outer)]
+    weights = outs[0][2]
+    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs]), weights
+
+
+def _split_and_finish(layers: list[MomentModule], at: int, x: torch.Tensor, modes: int,
+                      nodes: int, fused: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`mixture_moments` for one chunk of inputs: the full pass up to the split, then
+    the components of a few inputs at a time (:data:`CHUNK_ELEMENTS` covariance entries)
+    through the rest."""
     mean, var, cov = full_pass(layers[:at], (x, None, None), full_out=True, fused=fused)
     if cov is None:
         cov = torch.diag_embed(var)
