@@ -181,12 +181,16 @@ p2: $(STAMP)  ## P2's result experiments (width sweep, diabetes, calibrated, rho
 	for e in $(P2_EXPERIMENTS); do $(BIN)/uqbench-tables --experiment $$e --quiet || exit 1; done
 	$(MAKE) --no-print-directory p2-depth-seeds
 
-# depth 3 over three seeds: train, score each network with the full pass too, table and claims
-# (does the full pass stay within 2 % of Monte Carlo for every network of a width?)
+# depth 3 over three seeds: train, score each network with the full pass and with the mixture
+# at the last activation too, table and claims (does each stay within 2 % of Monte Carlo for
+# every network of a width?). The mixture scores the test split only (its table's columns and
+# Monte Carlo check are all on it), four networks at a time (a width-256 one takes about
+# 10 min and 4 GB on one CPU core; seconds on a GPU, device=cuda)
 .PHONY: p2-depth-seeds
-p2-depth-seeds: $(STAMP)  ## Depth 3 × 3 seeds, each network scored with the full pass too; table and claims (make p2 runs it)
+p2-depth-seeds: $(STAMP)  ## Depth 3 × 3 seeds, each network scored with the full pass and the mixture too; table and claims (make p2 runs it)
 	$(BIN)/uqbench experiment=p2_depth_seeds $(P2_SWEEP)
-	$(call score_full,p2_depth_seeds)
+	$(call score_with,p2_depth_seeds,method.covariance=full)
+	$(call score_with,p2_depth_seeds,method.covariance=mixture "eval_splits=[test]" hydra/launcher=local hydra.launcher.n_jobs=4)
 	$(BIN)/uqbench-tables --experiment p2_depth_seeds --quiet
 
 # p2_depth's diagonal-trained networks scored again with the full covariance between units
@@ -194,13 +198,13 @@ p2-depth-seeds: $(STAMP)  ## Depth 3 × 3 seeds, each network scored with the fu
 # of its table beside p2_depth_full's networks trained with it; one multirun, one process
 .PHONY: p2-depth-full
 p2-depth-full: $(STAMP)  ## Score every diagonal-trained p2_depth run with method.covariance=full too (make p2 runs it)
-	$(call score_full,p2_depth)
+	$(call score_with,p2_depth,method.covariance=full)
 
-# every BNN run of experiment $(1) scored again with method.covariance=full, in one multirun
-# (<run>/eval/polynomial,method.covariance=full/); refuses when it finds no run
-define score_full
+# every BNN run of experiment $(1) scored again with the overrides $(2) (method.covariance=full:
+# into <run>/eval/polynomial,method.covariance=full/), in one multirun; refuses when it finds
+# no run
+define score_with
 	shopt -s nullglob; runs=($${UQBENCH_RUNS:-runs}/$(1)/polynomial/bnn_{embedded,learned}/*/seed*/); \
 	if [ $${#runs[@]} -eq 0 ]; then echo "no $(1) runs to score: run make p2 first"; exit 1; fi; \
-	$(BIN)/uqbench -m job=eval "eval_run=$$(IFS=,; echo "$${runs[*]}")" method.covariance=full \
-		skip_existing=true
+	$(BIN)/uqbench -m job=eval "eval_run=$$(IFS=,; echo "$${runs[*]}")" $(2) skip_existing=true
 endef
