@@ -134,8 +134,9 @@ def judge_eval(ctx: Context, name: str, record: dict[str, Any]) -> Outcome:
     seconds = record["time"] - record["start"]
     if record["status"] != "COMPLETED":
         return Outcome(name, "FAIL", str(record["error"])[:600], seconds=seconds)
-    run = Path(record["folder"])
-    scorings = sorted(run.glob("eval/*/results.json"))  # eval/<dataset>[,<its overrides>]/
+    # Hydra's folder of a scoring job is the scoring's own: <run>/eval/<dataset>[,<overrides>]/
+    run = Path(record["folder"]).parent.parent
+    scorings = sorted(run.glob("eval/*/results.json"))
     if len(scorings) != 1 or not (run / "results.json").is_file():
         return Outcome(name, "FAIL", f"expected the run's results.json and one scoring in "
                                      f"{run}/eval/, found {len(scorings)}", seconds=seconds)

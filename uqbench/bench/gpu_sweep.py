@@ -65,7 +65,10 @@ class Context:
         return [*QUIET, f"device={self.device}", f"torch_threads={self.threads}"]
 
     def env(self) -> dict[str, str]:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        # UQBENCH_RUNS: the default runs folder is the check's own, so that nothing of a check
+        # (a sweep's record where the sweep varies paths.runs_dir) lands where it was started
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+               "UQBENCH_RUNS": str(self.folder / "runs")}
         for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
             env.setdefault(key, "1")
         return env
