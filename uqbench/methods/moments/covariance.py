@@ -79,7 +79,8 @@ class _Pairs:
         return e.mul_(q.rsqrt()), g, q
 
     def density_autograd(self, w: float) -> torch.Tensor:
-        """:meth:`density`'s value out of place, for autograd to differentiate."""
+        """:meth:`density`'s value out of place, for autograd to differentiate and for
+        torch.compile to trace."""
         g = self.one_minus_r + self.r * (w * w)
         q = g * (2 - g)
         return torch.exp(-(self.dist + 2 * self.prod * g) / (2 * q)) * q.rsqrt()
@@ -128,19 +129,13 @@ _TRACED_W, _TRACED_C, _ = _nodes(NODES)  # made once here: compiled code reads t
 
 
 def _curvature_traced(h: torch.Tensor, k: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
-    """:class:`_Curvature`'s value as plain out-of-place operations (the same nodes, the same
-    rearranged exponent), for torch.compile: compiled, the NODES terms of a pair are one loop
-    in registers instead of ~8 passes over memory per node."""
-    r = rho.abs()
-    one_minus_r = 1 - r
-    sign = torch.where(rho < 0, -1.0, 1.0).to(rho.dtype)
-    prod = sign * h * k
-    dist = (h.abs() - torch.where(prod < 0, -1.0, 1.0).to(h.dtype) * k.abs()) ** 2
+    """:class:`_Curvature`'s value by :meth:`_Pairs.density_autograd` (plain out-of-place
+    operations), for torch.compile: compiled, the NODES terms of a pair are one loop in
+    registers instead of ~8 passes over memory per node."""
+    pairs = _Pairs(h, k, rho)
     total = torch.zeros_like(h)
     for w, c in zip(_TRACED_W, _TRACED_C, strict=True):
-        g = one_minus_r + r * (w * w)
-        q = g * (2 - g)
-        total = total + c * torch.exp(-(dist + 2 * prod * g) / (2 * q)) * torch.rsqrt(q)
+        total = total + c * pairs.density_autograd(w)
     return rho * rho * total * _INV_2PI
 
 
@@ -239,10 +234,7 @@ def leaky_relu_full_covariance(mean: torch.Tensor, cov: torch.Tensor, out_var: t
     if (not needs_grad and mean.shape[0] * i.numel() >= COMPILE_PAIRS
             and not torch.compiler.is_compiling()):
         return _compiled_full_covariance()(mean, cov, out_var, i, j, float(slope))
-    var = cov.diagonal(dim1=-2, dim2=-1)
-    off = leaky_relu_covariance(mean[:, i], var[:, i], mean[:, j], var[:, j], cov[:, i, j],
-                                slope)
-    return _assemble(off, out_var, i, j)
+    return _full_covariance(mean, cov, out_var, i, j, float(slope))
 
 
 def _assemble(off: torch.Tensor, out_var: torch.Tensor, i: torch.Tensor,
@@ -256,19 +248,28 @@ def _assemble(off: torch.Tensor, out_var: torch.Tensor, i: torch.Tensor,
     return flat.view(-1, d, d)
 
 
-def _full_covariance_traced(mean: torch.Tensor, cov: torch.Tensor, out_var: torch.Tensor,
-                            i: torch.Tensor, j: torch.Tensor, slope: float) -> torch.Tensor:
-    """:func:`leaky_relu_full_covariance` as plain out-of-place operations for torch.compile,
-    R by :func:`_curvature_traced` (no gradient)."""
+def _full_covariance(mean: torch.Tensor, cov: torch.Tensor, out_var: torch.Tensor,
+                     i: torch.Tensor, j: torch.Tensor, slope: float,
+                     curvature: Callable[..., torch.Tensor] = relu_curvature) -> torch.Tensor:
+    """:func:`leaky_relu_covariance` for the pairs (i, j) of a layer, assembled by
+    :func:`_assemble`: each unit standardised and its expected slope taken once, before the
+    pairs gather them (the same numbers as the pairwise rule); R by ``curvature``."""
     var = cov.diagonal(dim1=-2, dim2=-1)
     s, t = _standardise(mean, var)
-    slopes = slope + (1 - slope) * _cdf(t)  # each unit's expected slope, before the pairs
+    slopes = slope + (1 - slope) * _cdf(t)
     s_a, s_b, h, k = s[:, i], s[:, j], t[:, i], t[:, j]
     c = cov[:, i, j]
     rho = _correlation(c, s_a, s_b)
     off = (c * (slopes[:, i] * slopes[:, j])
-           + (1 - slope) ** 2 * s_a * s_b * _curvature_traced(h, k, rho))
+           + (1 - slope) ** 2 * s_a * s_b * curvature(h, k, rho))
     return _assemble(off, out_var, i, j)
+
+
+def _full_covariance_traced(mean: torch.Tensor, cov: torch.Tensor, out_var: torch.Tensor,
+                            i: torch.Tensor, j: torch.Tensor, slope: float) -> torch.Tensor:
+    """:func:`_full_covariance` with R by :func:`_curvature_traced`, for torch.compile (no
+    gradient)."""
+    return _full_covariance(mean, cov, out_var, i, j, slope, _curvature_traced)
 
 
 @cache
