@@ -140,7 +140,7 @@ def test_a_second_holder_of_a_run_folder_is_refused_until_the_first_lets_go(tmp_
         with pytest.raises(runfolder.RunLockedError, match=f"pid {os.getpid()}"):
             runfolder.RunFolder(run_dir).__enter__()
         # an eval folder is guarded by the lock of the run it scores
-        with pytest.raises(runfolder.RunLockedError):
+        with pytest.raises(runfolder.RunLockedError, match=f"pid {os.getpid()}"):
             runfolder.RunFolder(run_dir / "eval" / "d", lock_on=run_dir).__enter__()
         # a process that trains beside the writer (rank > 0) takes no lock
         with runfolder.RunFolder(run_dir, writer=False):
@@ -151,6 +151,39 @@ def test_a_second_holder_of_a_run_folder_is_refused_until_the_first_lets_go(tmp_
             runfolder.RunFolder(run_dir).__enter__()
     with runfolder.RunFolder(run_dir):  # released on exit
         pass
+
+
+def _free(folder) -> bool:
+    """Whether a job could take ``folder``'s lock now (it is taken and let go at once)."""
+    try:
+        with runfolder.RunLock(folder):
+            return True
+    except runfolder.RunLockedError:
+        return False
+
+
+def test_scorings_of_one_run_go_side_by_side_and_keep_the_run_from_being_written(tmp_path):
+    """Two scorings of a run into different eval folders hold their locks at once; a second
+    scoring into the same folder is refused, and so is a job writing the run itself while
+    either holds it; a scoring is refused while such a job holds the run; and a scoring refused
+    on its own folder leaves the run's shared lock as it found it."""
+    run_dir = tmp_path / "r"
+    full = runfolder.RunFolder(run_dir / "eval" / "full", lock_on=run_dir)
+    mixture = runfolder.RunFolder(run_dir / "eval" / "mixture", lock_on=run_dir)
+    with full, mixture:
+        with pytest.raises(runfolder.RunLockedError, match="is writing or scoring"):
+            runfolder.RunFolder(run_dir / "eval" / "full", lock_on=run_dir).__enter__()
+        with pytest.raises(runfolder.RunLockedError, match=f"pid {os.getpid()}"):
+            runfolder.RunFolder(run_dir).__enter__()
+    assert _free(run_dir) and _free(run_dir / "eval" / "full")
+    with mixture:
+        with pytest.raises(runfolder.RunLockedError):  # refused on its own folder ...
+            runfolder.RunFolder(run_dir / "eval" / "mixture", lock_on=run_dir).__enter__()
+    assert _free(run_dir)  # ... its shared lock on the run went with the refusal
+    with runfolder.RunFolder(run_dir):
+        with pytest.raises(runfolder.RunLockedError, match="is writing "):
+            runfolder.RunFolder(run_dir / "eval" / "full", lock_on=run_dir).__enter__()
+        assert _free(run_dir / "eval" / "full")  # the folder's own lock was let go
 
 
 def test_the_stage_is_removed_on_an_exception_and_nothing_is_published(tmp_path):

@@ -63,8 +63,10 @@ class RunFolder:
     a folder that already holds results; ``with folder.staging() as stage:`` gives a fresh
     staging folder, removed on any exit, that ``folder.publish(stage)`` swaps in at once.
 
-    ``lock_on``: the run folder whose lock guards this one (a finished run's ``eval/<data>/``
-    folders are guarded by the run's lock). ``writer=False``: a process that trains beside the
+    ``lock_on``: the run folder this one lives in (a finished run's ``eval/<data>/`` folders):
+    the job also holds that run's lock, shared, so that scorings of one run into different
+    folders go side by side while nothing replaces the run under them (a job writing the run
+    itself holds its lock exclusively). ``writer=False``: a process that trains beside the
     writer (ranks > 0 of a job a cluster manager started once per device) takes no lock and
     mends nothing. A copy sent to a spawned process never holds the lock: its launcher does.
     """
@@ -72,21 +74,30 @@ class RunFolder:
     def __init__(self, run_dir: Path, lock_on: Path | None = None, writer: bool = True) -> None:
         self.run_dir = run_dir
         self.writer = writer
-        self._lock = RunLock(lock_on or run_dir) if writer else None
+        self._locks = ([] if not writer else
+                       [RunLock(run_dir)] if lock_on is None else
+                       [RunLock(lock_on, shared=True), RunLock(run_dir)])
 
     def __enter__(self) -> RunFolder:
-        if self._lock is not None:
-            self._lock.__enter__()
+        taken: list[RunLock] = []
+        try:
+            for lock in self._locks:
+                taken.append(lock.__enter__())
+        except RunLockedError:
+            for lock in taken:
+                lock.__exit__()
+            raise
+        if self._locks:
             for path in recover(self.run_dir):
                 log.info("removed %s, left by an interrupted job", path)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._lock is not None:
-            self._lock.__exit__()
+        for lock in reversed(self._locks):
+            lock.__exit__()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_lock": None}  # the lock stays with the process that took it
+        return {**self.__dict__, "_locks": []}  # the locks stay with the process that took them
 
     def reuse(self, requested: dict[str, Any], overwrite: bool, skip_existing: bool,
               flags: tuple[str, str, str] = ("overwrite=true", "skip_existing=true",
@@ -112,25 +123,29 @@ class RunFolder:
 # --- one job per folder ---------------------------------------------------------------------------
 
 class RunLock:
-    """Exclusive lock on a run folder (``with RunLock(run_dir): …``), released on any exit."""
+    """Exclusive lock on a run folder (``with RunLock(run_dir): …``), released on any exit;
+    ``shared=True``: a shared one, which any number of jobs hold together and which keeps out
+    the exclusive one (scorings of a run, against a job that writes the run itself)."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, shared: bool = False) -> None:
         self.path = run_dir.parent / f".{run_dir.name}.lock"
         self.run_dir = run_dir
+        self.shared = shared
         self._fd: int | None = None
 
     def __enter__(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
+            what = "is writing" if self.shared else "is writing or scoring"
             raise RunLockedError(
-                f"another job (pid {holder}) is writing {self.run_dir}; wait for it to finish, "
+                f"another job (pid {holder}) {what} {self.run_dir}; wait for it to finish, "
                 f"or give this one its own folder (run_name=<name>)") from None
-        os.ftruncate(fd, 0)
+        os.ftruncate(fd, 0)  # the holder's pid for the message above (shared: the latest's)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._fd = fd
         return self
