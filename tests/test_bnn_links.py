@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -241,7 +242,8 @@ def test_diagnostics_measure_the_moment_vs_mc_gap(variance, monkeypatch):
         exact = _deterministic_features(BayesianMLP(MLP(width=8), INFO, variance=variance,
                                                     rho_init=-1.0))
         found = exact.diagnostics(x)
-        parts = {"mc_epistemic_std_ratio", "mc_aleatoric_ratio"} if variance == "learned" else set()
+        parts = ({"mc_epistemic_std_ratio", "mc_aleatoric_ratio", "mc_link_closure_ratio"}
+                 if variance == "learned" else set())
         assert set(found) == {"mc_mean_gap", "mc_std_ratio", "mc_std_ratio_se",
                               "mc_std_ratio_z", "mc_samples"} | parts
         assert found["mc_std_ratio_z"] == pytest.approx(
@@ -329,6 +331,40 @@ def test_diagnostics_split_the_learned_variance_into_its_parts():
     assert 1.0 + 5 / math.sqrt(2000) < found["mc_std_ratio"] < math.sqrt(2.0)
 
 
+@pytest.mark.parametrize("covariance", ["diagonal", "full"])
+def test_the_link_closure_is_the_gaussian_at_the_draws_own_moments(covariance, monkeypatch):
+    """mc_link_closure_ratio: E[softplus(a)] for a ~ N(mean, variance of the draws' a₂), by
+    scipy's adaptive quadrature, over the draws' mean softplus(a₂), averaged over inputs: the
+    same draws rebuilt by hand (the diagnostics' seed and chunks, uneven ones), to 1e-7. With
+    the full pass the last activation's input is tapped on the same draws too. On this deep,
+    narrow network a₂ is far from Gaussian, and the ratio is far from 1."""
+    from scipy import integrate, stats
+
+    monkeypatch.setattr(bnn_module, "CHECK_CHUNK_ELEMENTS", 7 * 9 * 10)
+    torch.manual_seed(3)
+    bnn = BayesianMLP(MLP(width=4, depth=3), INFO, variance="learned", rho_init=0.5,
+                      covariance=covariance, check_samples=301).double()
+    x = torch.linspace(-2, 2, 9, dtype=torch.float64).unsqueeze(1)
+    layers = [m for m in bnn.net if isinstance(m, bnn_module.GaussianLinear)]
+    per_draw = sum(m.weight_mu.numel() + m.bias_mu.numel() + 9 * m.out_features for m in layers)
+    chunk = max(1, 7 * 9 * 10 // per_draw)
+    assert chunk < 301 and 301 % chunk != 0  # several chunks, a short last one
+    with torch.no_grad(), bnn_module._private_rng(x.device, seed=0):
+        a2 = torch.cat([bnn.net.forward_sampled(x.expand(min(chunk, 301 - lo), *x.shape))
+                        for lo in range(0, 301, chunk)])[..., 1].numpy()
+    ratios = []
+    for b in range(9):
+        m, sd = a2[:, b].mean(), a2[:, b].std(ddof=1)
+        closed = integrate.quad(lambda a, m=m, sd=sd: np.logaddexp(0, a) * stats.norm.pdf(a, m, sd),
+                                m - 40 * sd, m + 40 * sd, epsabs=0, epsrel=1e-11, limit=400,
+                                points=[m])[0]
+        ratios.append(closed / np.logaddexp(0, a2[:, b]).mean())
+    expected = float(np.mean(ratios))
+    found = bnn.diagnostics(x)["mc_link_closure_ratio"]
+    assert found == pytest.approx(expected, rel=1e-7)
+    assert abs(expected - 1) > 0.1
+
+
 def test_diagnostics_leave_the_random_state_alone_and_can_be_switched_off():
     torch.manual_seed(0)
     method = BayesianMLP(MLP(width=8, depth=2), INFO, variance="learned", check_samples=300)
@@ -359,7 +395,8 @@ def test_the_runner_records_diagnostics_and_changes_no_other_metric(compose_cfg,
     off = run(compose_cfg([*common, "run_name=off", "method.check_samples=0"]))
     keys = {"test/mc_mean_gap", "test/mc_std_ratio", "test/mc_std_ratio_se",
             "test/mc_std_ratio_z", "test/mc_samples",
-            "test/mc_epistemic_std_ratio", "test/mc_aleatoric_ratio"}  # learned: the parts too
+            "test/mc_epistemic_std_ratio", "test/mc_aleatoric_ratio",
+            "test/mc_link_closure_ratio"}  # learned: the parts too
     assert keys <= set(on["metrics"]) and not keys & set(off["metrics"])
     assert {k: v for k, v in on["metrics"].items() if k not in keys} == off["metrics"]
     assert on["metrics"]["test/mc_samples"] == 2000

@@ -417,7 +417,9 @@ class BayesianMLP(Method):
         Carlo's error); mc_samples: S. Learned variance,
         the two parts of the total apart: mc_epistemic_std_ratio, the same ratio for the spread
         of the mean output alone (its σ over weight draws), and mc_aleatoric_ratio, the mean of
-        E[link(a₂)] by moments over its Monte Carlo mean (the predicted noise variance). The
+        E[link(a₂)] by moments over its Monte Carlo mean (the predicted noise variance), and
+        mc_link_closure_ratio, the same for a₂ closed at Monte Carlo's own two moments
+        (:meth:`_link_closure`). The
         draws come from a fixed seed and the global random state is restored afterwards, so
         the hook neither depends on nor changes what the run draws elsewhere. With
         ``covariance: full`` also pass_cost_vs_diagonal: :meth:`pass_cost`, and
@@ -428,10 +430,13 @@ class BayesianMLP(Method):
         mom = self._moments(inputs)
         shift = mom.mean.double()
         groups = min(CHECK_GROUPS, self.check_samples // 2)
-        # the full pass's check also taps the last activation's input, on the same draws
+        # the full pass's check also taps the last activation's input, and a learned
+        # variance's the output, on the same draws
         tap = self._closure_tap() if self.covariance != "diagonal" else None
+        output = _Tap(len(self.net)) if self.variance == "learned" else None
         with _private_rng(inputs.device, seed=0):
-            sums = self._mc_sums(inputs, self.check_samples, shift, groups, tap)
+            sums = self._mc_sums(inputs, self.check_samples, shift, groups,
+                                 [t for t in (tap, output) if t is not None])
         mean, epistemic, aleatoric = _parts_from_sums([t.sum(0) for t in sums], shift)
         sd_mom = mom.var.double().sqrt()
 
@@ -452,11 +457,27 @@ class BayesianMLP(Method):
             found["mc_epistemic_std_ratio"] = (
                 (mom.var.double() - noise).sqrt() / epistemic.sqrt()).mean().item()
             found["mc_aleatoric_ratio"] = ((noise - self.min_var) / aleatoric).mean().item()
+        if output is not None:
+            found["mc_link_closure_ratio"] = self._link_closure(output, aleatoric)
         if self.covariance != "diagonal":
             found["pass_cost_vs_diagonal"] = self.pass_cost(inputs)
         if tap is not None:
             found["mc_closure_std_ratio"] = self._closure_bound(tap, sd_mc)
         return found
+
+    def _link_closure(self, output: _Tap, aleatoric: torch.Tensor) -> float:
+        """mc_link_closure_ratio: E[link(a₂)] for a₂ the Gaussian with Monte Carlo's own mean
+        and variance of a₂ (``output``'s, over the draws), over Monte Carlo's E[link(a₂)]
+        (``aleatoric``, (B, out)), averaged over inputs: what the noise term of any pass that
+        gets a₂'s two moments exactly right and closes a₂ as a Gaussian reads. Far from 1, the
+        noise term rests on a₂'s shape (its upper tail, where a₂ is far below the link's bend
+        and spread wide), which no Gaussian closure of a₂ carries."""
+        mean, cov = output.moments()
+        d = self.out_dim
+        a_mean = mean[..., d:]
+        a_var = cov.diagonal(dim1=-2, dim2=-1)[..., d:].clamp_min(0)
+        closed = expected_link(self.variance_link, a_mean, a_var)
+        return (closed / aleatoric).mean().item()
 
     def _closure_tap(self) -> _Tap | None:
         """A tap at the last activation's input (the last hidden layer's pre-activation), or
@@ -522,7 +543,7 @@ class BayesianMLP(Method):
         return _parts_from_sums([t.sum(0) for t in sums], shift)
 
     def _mc_sums(self, x: torch.Tensor, samples: int, shift: torch.Tensor, groups: int,
-                 tap: _Tap | None = None
+                 taps: Sequence[_Tap] = ()
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sums over ``samples`` weight draws, split into ``groups`` consecutive groups of
         draws (as equal as the count allows): each (groups, B, out), float64, of the mean
@@ -530,8 +551,9 @@ class BayesianMLP(Method):
         cancel), of its square and of link(a₂) (zeros for embedded variance), and the number
         of draws per group (groups, 1, 1). The draws are taken in chunks of at most
         CHECK_CHUNK_ELEMENTS drawn weights and activations, so memory stays bounded whatever S
-        and the width; how they are grouped does not change which draws are taken. ``tap``
-        also collects one layer's input over the same draws (:class:`_Tap`)."""
+        and the width; how they are grouped does not change which draws are taken. Each of
+        ``taps`` also collects one layer's input, or the output, over the same draws
+        (:class:`_Tap`)."""
         d = self.out_dim
         layers = [m for m in self.net if isinstance(m, GaussianLinear)]
         per_draw = sum(m.weight_mu.numel() + m.bias_mu.numel() + x.shape[0] * m.out_features
@@ -542,8 +564,8 @@ class BayesianMLP(Method):
         square, link = torch.zeros_like(total), torch.zeros_like(total)
         for start in range(0, samples, chunk):
             n = min(chunk, samples - start)
-            out = (self._draws(x, n) if tap is None
-                   else tap.through(self.net, x.expand(n, *x.shape))).double()  # (s, B, outputs)
+            out = (_tapped_draws(self.net, x.expand(n, *x.shape), taps) if taps
+                   else self._draws(x, n)).double()  # (s, B, outputs)
             y = out[..., :d] - shift
             noise = apply_link(self.variance_link, out[..., d:]) if self.variance == "learned" \
                 else None
@@ -562,9 +584,9 @@ class BayesianMLP(Method):
 
 
 class _Tap:
-    """Running sums, float64, of the input of layer ``layer`` over sampled passes: its mean
-    (B, d) and covariance (B, d, d) over the draws, around the first chunk's mean (against
-    cancellation)."""
+    """Running sums, float64, of the input of layer ``layer`` over sampled passes (``layer`` =
+    the network's length: its output): its mean (B, d) and covariance (B, d, d) over the draws,
+    around the first chunk's mean (against cancellation)."""
 
     def __init__(self, layer: int) -> None:
         self.layer, self.count = layer, 0
@@ -572,20 +594,15 @@ class _Tap:
         self.first: torch.Tensor | None = None
         self.outer: torch.Tensor | None = None
 
-    def through(self, net: MomentSequential, x: torch.Tensor) -> torch.Tensor:
-        """``net.forward_sampled(x)`` (the same draws, in the same order), adding the tapped
-        layer's input (S, B, d) to the sums on the way."""
-        for i, m in enumerate(net):
-            if i == self.layer:
-                a = x.double()
-                self.centre = a.mean(0) if self.centre is None else self.centre
-                c = a - self.centre
-                part, outer = c.sum(0), torch.einsum("sbi,sbj->bij", c, c)
-                self.first = part if self.first is None else self.first + part
-                self.outer = outer if self.outer is None else self.outer + outer
-                self.count += a.shape[0]
-            x = m.forward_sampled(x)
-        return x
+    def add(self, a: torch.Tensor) -> None:
+        """Adds draws (S, B, d) of the tapped input to the sums."""
+        a = a.double()
+        self.centre = a.mean(0) if self.centre is None else self.centre
+        c = a - self.centre
+        part, outer = c.sum(0), torch.einsum("sbi,sbj->bij", c, c)
+        self.first = part if self.first is None else self.first + part
+        self.outer = outer if self.outer is None else self.outer + outer
+        self.count += a.shape[0]
 
     def moments(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The tapped input's mean and unbiased covariance over the draws (two or more)."""
@@ -593,6 +610,19 @@ class _Tap:
         mean = self.first / self.count
         cov = (self.outer - self.count * mean.unsqueeze(-1) * mean.unsqueeze(-2)) / (self.count - 1)
         return self.centre + mean, 0.5 * (cov + cov.transpose(-1, -2))
+
+
+def _tapped_draws(net: MomentSequential, x: torch.Tensor, taps: Sequence[_Tap]) -> torch.Tensor:
+    """``net.forward_sampled(x)`` (the same draws, in the same order), adding each tapped
+    layer's input (S, B, d), or the output, to its tap's sums on the way."""
+    at = {t.layer: t for t in taps}
+    for i, m in enumerate(net):
+        if i in at:
+            at[i].add(x)
+        x = m.forward_sampled(x)
+    if len(net) in at:
+        at[len(net)].add(x)
+    return x
 
 
 def _parts_from_sums(sums: Sequence[torch.Tensor], shift: torch.Tensor
