@@ -57,6 +57,7 @@ from uqbench.backbones.mlp import MLP
 from uqbench.configs import options_with
 from uqbench.contracts import Batch, DataInfo, RegressionOutput
 from uqbench.methods.base import Method
+from uqbench.methods.moments.compiling import compile_dynamic
 from uqbench.methods.moments.layers import (
     FULL_RULES,
     PRIORS,
@@ -696,8 +697,7 @@ def _compile(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` through torch.compile, traced and run under :data:`_COMPILE_CONFIG`, with
     dynamic sizes from the first call: one compilation serves every width and batch, the same
     graph in every worker process of a sweep (so the compile cache serves the second)."""
-    compiled = torch.compile(fn, dynamic=True)
-    return torch._dynamo.config.patch(_COMPILE_CONFIG)(compiled)  # type: ignore[no-any-return]
+    return compile_dynamic(fn, **_COMPILE_CONFIG)
 
 
 @functools.cache

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from uqbench.methods.moments.activations import _T_MAX
+from uqbench.methods.moments.compiling import compile_dynamic
 
 NODES = 24  # Gauss–Legendre nodes in w ∈ [0, 1]: 7e-9 in the worst case above (32: 2e-9)
 ACTIVATIONS = ("relu", "leaky_relu", "heaviside")  # the closed forms available
@@ -277,6 +278,4 @@ def _compiled_full_covariance() -> Callable[..., torch.Tensor]:
     """:func:`_full_covariance_traced` through torch.compile (dynamic sizes: one graph for every
     width and chunk; the slope compiled in as a constant), built on first use. A compilation
     that fails (no C++ compiler) runs the same function eagerly, with torch's warning."""
-    compiled = torch.compile(_full_covariance_traced, dynamic=True)
-    patch = torch._dynamo.config.patch(suppress_errors=True, specialize_float=True)
-    return patch(compiled)  # type: ignore[no-any-return]
+    return compile_dynamic(_full_covariance_traced, suppress_errors=True, specialize_float=True)
