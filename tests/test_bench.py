@@ -198,6 +198,9 @@ def test_moment_figures_quick_and_missing_anchor_skipped(monkeypatch):
     assert speed and all(r.ours > 0 and r.anchor_value is None for r in speed)
     anchored = [r for r in speed if r.anchor]
     assert anchored and all("fastbnns not installed" in r.note for r in anchored)
+    full = [r for r in rows if r.section == bnn.SECTION_FULL]
+    assert len(full) == 3 and all(r.ours > 0 for r in full)
+    assert all("unit pairs per activation and call" in r.note for r in full[:2])
     err = {r.figure: r.ours for r in rows if r.unit == "%"}
     # Monte Carlo's variance error shrinks with S (about 1/√S): 10 draws are far worse than 1000
     body = "Var error, one Leaky-ReLU unit, body |μ/σ| ≤ 3: "

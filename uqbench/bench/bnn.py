@@ -10,6 +10,9 @@ step), timed on one CPU thread:
 - P2's training step (moment pass, ELBO, backward, Adam; batch 100; timed where 300 training
   steps took the model, held there) / a plain MLP's Gaussian-NLL step of the same width, both
   variances, widths 4, 64 and 1024, compiled (``method.compile: true``) and eager (the default);
+- the full-covariance pass as a scoring runs it (no gradient; its activations compiled once a
+  call holds 2²⁰ unit pairs) / the diagonal pass of the same network, compiled and eager, on
+  1→256→256→256→1 at 64 inputs;
 - accuracy: the variance error of each inference against a 2·10⁵-draw Monte Carlo reference,
   for one Leaky-ReLU unit across μ/σ from −40 to 40 (body |μ/σ| ≤ 3, tails beyond) and for the
   1→64→64→1 network's predictive σ.
@@ -20,11 +23,12 @@ so that what is compared is built in one place.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 
 import torch
@@ -36,6 +40,7 @@ from uqbench.bench.report import Record
 from uqbench.bench.timing import ROUNDS, Measured, one_thread, side_by_side
 from uqbench.contracts import DataInfo
 from uqbench.methods.bnn import BayesianMLP
+from uqbench.methods.moments import covariance
 from uqbench.methods.moments.activations import leaky_relu_moments
 from uqbench.methods.moments.layers import GaussianLinear
 
@@ -50,6 +55,10 @@ FAST_ROUNDS = 10             # rounds of the figures whose calls take millisecon
 REPEATS = 50                 # the moment pass's timed repeats (the training step's: 4×)
 PAIR_REPEATS, PAIR_ROUNDS = 4, 20  # the targeted moment pass and its anchor: 4× the repeats
 MC_ANCHORED = (10, 100)    # fastbnns' Monte Carlo is timed at these S
+SECTION_FULL = ("Full covariance between units: a scoring's pass against the diagonal pass "
+                "(Leaky-ReLU MLP, no gradient, one thread)")
+FULL_NET, FULL_INPUTS = (256, 3), 64  # 2·10⁶ unit pairs per activation and call: compiled
+FULL_ROUNDS = 5                       # rounds of one call each: an eager call takes seconds
 SECTION_ACCURACY = "Moment propagation vs Monte Carlo: accuracy (variance error vs 2·10⁵ draws)"
 
 
@@ -352,6 +361,56 @@ def training_step(device: torch.device, repeats: int, quick: bool = False) -> li
     return records
 
 
+@contextlib.contextmanager
+def _eager_full_covariance() -> Iterator[None]:
+    """The full-covariance activations run eagerly inside, whatever a call's size."""
+    saved = covariance.COMPILE_PAIRS
+    covariance.COMPILE_PAIRS = 2**62
+    try:
+        yield
+    finally:
+        covariance.COMPILE_PAIRS = saved
+
+
+def full_covariance(device: torch.device, quick: bool = False) -> list[Record]:
+    """The full-covariance pass (``method.covariance: full``, no gradient: a scoring's pass)
+    over the diagonal pass (fused, the default) of the same network and inputs, with its
+    activations compiled (as they run from :data:`~uqbench.methods.moments.covariance.
+    COMPILE_PAIRS` unit pairs in a call; compile time excluded) and eagerly, side by side on
+    one thread; and eager over compiled. 1→256→256→256→1 at 64 inputs (quick: 1→64→64→64→1
+    at as many inputs as make a compiled call)."""
+    dev = str(device)
+    width, depth = (64, 3) if quick else FULL_NET
+    inputs = -(-covariance.COMPILE_PAIRS // (width * (width - 1) // 2)) if quick else FULL_INPUTS
+    x = torch.linspace(-2, 2, inputs, device=device).unsqueeze(1)
+    info = DataInfo("regression", in_dim=1, out_dim=1, num_train_batches=20)
+    torch.manual_seed(0)
+    full = BayesianMLP(MLP(width=width, depth=depth, slope=SLOPE), info,
+                       covariance="full").to(device).eval()
+    diagonal = copy.deepcopy(full)
+    diagonal.covariance = "diagonal"
+
+    def eager() -> object:
+        with _eager_full_covariance():
+            return full.moment_pass(x)
+    with one_thread(device), torch.no_grad():
+        t = side_by_side({"diagonal": functools.partial(diagonal.moment_pass, x),
+                          "compiled": functools.partial(full.moment_pass, x), "eager": eager},
+                         device, repeats=2 if quick else FULL_ROUNDS, warmup=1,
+                         rounds=FULL_ROUNDS)
+    label = f"1→{width}→{width}→{width}→1, {inputs} inputs"
+    note = (f"{width * (width - 1) // 2 * inputs:,} unit pairs per activation and call; "
+            f"diagonal pass {_ms(t['diagonal'])}")
+    return [
+        Record(f"full pass / diagonal pass, {label}, compiled (a scoring's default)",
+               t["compiled"] / t["diagonal"], "×", dev, section=SECTION_FULL,
+               note=f"compile time excluded; {note}"),
+        Record(f"full pass / diagonal pass, {label}, eager", t["eager"] / t["diagonal"], "×",
+               dev, section=SECTION_FULL, note=note),
+        Record(f"full pass eager / compiled, {label}", t["eager"] / t["compiled"], "×", dev,
+               section=SECTION_FULL, note=f"compiled pass {_ms(t['compiled'])}")]
+
+
 def run(device: torch.device, repeats: int, quick: bool = False,
         done: Callable[[list[Record]], None] = lambda rows: None) -> list[Record]:
     """Every figure of this part; ``done`` is called with each group's rows as they are
@@ -360,6 +419,7 @@ def run(device: torch.device, repeats: int, quick: bool = False,
     groups: list[Callable[[], list[Record]]] = [
         lambda: speed(device, repeats, batch=64 if quick else 1024, quick=quick),
         lambda: training_step(device, repeats=4 * repeats, quick=quick),
+        lambda: full_covariance(device, quick=quick),
         lambda: unit_accuracy(device, reference=reference, trials=5 if quick else 20),
         lambda: network_accuracy(device, reference=reference, inputs=16 if quick else 64,
                                  quick=quick)]
