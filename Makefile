@@ -193,18 +193,28 @@ p2-depth-seeds: $(STAMP)  ## Depth 3 × 3 seeds, each network scored with the fu
 	$(call score_with,p2_depth_seeds,method.covariance=mixture "eval_splits=[test]" hydra/launcher=local hydra.launcher.n_jobs=4)
 	$(BIN)/uqbench-tables --experiment p2_depth_seeds --quiet
 
+# p2_depth alone: its networks (and p2_depth_full's, trained with the full pass), the
+# scorings below, and its table
+.PHONY: p2-depth
+p2-depth: $(STAMP)  ## p2_depth and p2_depth_full trained, scored again (p2-depth-full), and the table (make p2 runs it)
+	for e in p2_depth p2_depth_full; do $(BIN)/uqbench experiment=$$e $(P2_SWEEP) || exit 1; done
+	$(MAKE) --no-print-directory p2-depth-full
+	$(BIN)/uqbench-tables --experiment p2_depth --quiet
+
 # p2_depth's diagonal-trained networks scored again with the full covariance between units
 # (the same weights, another inference: <run>/eval/polynomial,method.covariance=full/), rows
-# of its table beside p2_depth_full's networks trained with it; one multirun, one process
+# of its table beside p2_depth_full's networks trained with it; one multirun, one process.
+# Depth 3's networks also with the mixture at the last activation (test split, four at a time)
 .PHONY: p2-depth-full
-p2-depth-full: $(STAMP)  ## Score every diagonal-trained p2_depth run with method.covariance=full too (make p2 runs it)
+p2-depth-full: $(STAMP)  ## Score every diagonal-trained p2_depth run with method.covariance=full too, and depth 3 with the mixture (make p2 runs it)
 	$(call score_with,p2_depth,method.covariance=full)
+	$(call score_with,p2_depth,method.covariance=mixture "eval_splits=[test]" hydra/launcher=local hydra.launcher.n_jobs=4,mlp_w*_d3)
 
-# every BNN run of experiment $(1) scored again with the overrides $(2) (method.covariance=full:
-# into <run>/eval/polynomial,method.covariance=full/), in one multirun; refuses when it finds
-# no run
+# every BNN run of experiment $(1) (of the backbone folders $(3), a glob: all when not given)
+# scored again with the overrides $(2) (method.covariance=full: into
+# <run>/eval/polynomial,method.covariance=full/), in one multirun; refuses when it finds no run
 define score_with
-	shopt -s nullglob; runs=($${UQBENCH_RUNS:-runs}/$(1)/polynomial/bnn_{embedded,learned}/*/seed*/); \
+	shopt -s nullglob; runs=($${UQBENCH_RUNS:-runs}/$(1)/polynomial/bnn_{embedded,learned}/$(or $(3),*)/seed*/); \
 	if [ $${#runs[@]} -eq 0 ]; then echo "no $(1) runs to score: run make p2 first"; exit 1; fi; \
 	$(BIN)/uqbench -m job=eval "eval_run=$$(IFS=,; echo "$${runs[*]}")" $(2) skip_existing=true
 endef

@@ -1,11 +1,12 @@
 # p2_depth.md, p2_depth.tex, p2_depth.csv, p2_depth.png were made by (run from the folder the paths are relative to):
 uqbench-tables --runs /tmp/p2d/runs --out tables --experiment p2_depth
-# from 72 results.json under /tmp/p2d/runs:
+# from 80 results.json under /tmp/p2d/runs:
 #   p2_depth/polynomial/bnn_embedded/mlp_w16_d1/seed0/eval/polynomial,method.covariance=full/results.json
 #   p2_depth/polynomial/bnn_embedded/mlp_w16_d1/seed0/results.json
 #   p2_depth/polynomial/bnn_embedded/mlp_w16_d2/seed0/eval/polynomial,method.covariance=full/results.json
 #   p2_depth/polynomial/bnn_embedded/mlp_w16_d2/seed0/results.json
 #   p2_depth/polynomial/bnn_embedded/mlp_w16_d3/seed0/eval/polynomial,method.covariance=full/results.json
+#   p2_depth/polynomial/bnn_embedded/mlp_w16_d3/seed0/eval/polynomial,method.covariance=mixture,eval_splits=[test]/results.json
 #   p2_depth/polynomial/bnn_embedded/mlp_w16_d3/seed0/results.json
 #   p2_depth/polynomial/bnn_embedded/mlp_w16_d4/seed0/eval/polynomial,method.covariance=full/results.json
 #   p2_depth/polynomial/bnn_embedded/mlp_w16_d4/seed0/results.json
@@ -14,6 +15,7 @@ uqbench-tables --runs /tmp/p2d/runs --out tables --experiment p2_depth
 #   p2_depth/polynomial/bnn_embedded/mlp_w256_d2/seed0/eval/polynomial,method.covariance=full/results.json
 #   p2_depth/polynomial/bnn_embedded/mlp_w256_d2/seed0/results.json
 #   p2_depth/polynomial/bnn_embedded/mlp_w256_d3/seed0/eval/polynomial,method.covariance=full/results.json
+#   p2_depth/polynomial/bnn_embedded/mlp_w256_d3/seed0/eval/polynomial,method.covariance=mixture,eval_splits=[test]/results.json
 #   p2_depth/polynomial/bnn_embedded/mlp_w256_d3/seed0/results.json
 #   p2_depth/polynomial/bnn_embedded/mlp_w256_d4/seed0/eval/polynomial,method.covariance=full/results.json
 #   p2_depth/polynomial/bnn_embedded/mlp_w256_d4/seed0/results.json
@@ -22,6 +24,7 @@ uqbench-tables --runs /tmp/p2d/runs --out tables --experiment p2_depth
 #   p2_depth/polynomial/bnn_embedded/mlp_w4_d2/seed0/eval/polynomial,method.covariance=full/results.json
 #   p2_depth/polynomial/bnn_embedded/mlp_w4_d2/seed0/results.json
 #   p2_depth/polynomial/bnn_embedded/mlp_w4_d3/seed0/eval/polynomial,method.covariance=full/results.json
+#   p2_depth/polynomial/bnn_embedded/mlp_w4_d3/seed0/eval/polynomial,method.covariance=mixture,eval_splits=[test]/results.json
 #   p2_depth/polynomial/bnn_embedded/mlp_w4_d3/seed0/results.json
 #   p2_depth/polynomial/bnn_embedded/mlp_w4_d4/seed0/eval/polynomial,method.covariance=full/results.json
 #   p2_depth/polynomial/bnn_embedded/mlp_w4_d4/seed0/results.json
@@ -30,6 +33,7 @@ uqbench-tables --runs /tmp/p2d/runs --out tables --experiment p2_depth
 #   p2_depth/polynomial/bnn_embedded/mlp_w64_d2/seed0/eval/polynomial,method.covariance=full/results.json
 #   p2_depth/polynomial/bnn_embedded/mlp_w64_d2/seed0/results.json
 #   p2_depth/polynomial/bnn_embedded/mlp_w64_d3/seed0/eval/polynomial,method.covariance=full/results.json
+#   p2_depth/polynomial/bnn_embedded/mlp_w64_d3/seed0/eval/polynomial,method.covariance=mixture,eval_splits=[test]/results.json
 #   p2_depth/polynomial/bnn_embedded/mlp_w64_d3/seed0/results.json
 #   p2_depth/polynomial/bnn_embedded/mlp_w64_d4/seed0/eval/polynomial,method.covariance=full/results.json
 #   p2_depth/polynomial/bnn_embedded/mlp_w64_d4/seed0/results.json
@@ -42,6 +46,7 @@ uqbench-tables --runs /tmp/p2d/runs --out tables --experiment p2_depth
 #   p2_depth/polynomial/bnn_learned/mlp_w16_d2/seed0/eval/polynomial,method.covariance=full/results.json
 #   p2_depth/polynomial/bnn_learned/mlp_w16_d2/seed0/results.json
 #   p2_depth/polynomial/bnn_learned/mlp_w16_d3/seed0/eval/polynomial,method.covariance=full/results.json
+#   p2_depth/polynomial/bnn_learned/mlp_w16_d3/seed0/eval/polynomial,method.covariance=mixture,eval_splits=[test]/results.json
 #   p2_depth/polynomial/bnn_learned/mlp_w16_d3/seed0/results.json
 #   p2_depth/polynomial/bnn_learned/mlp_w16_d4/seed0/eval/polynomial,method.covariance=full/results.json
 #   p2_depth/polynomial/bnn_learned/mlp_w16_d4/seed0/results.json
@@ -50,6 +55,7 @@ uqbench-tables --runs /tmp/p2d/runs --out tables --experiment p2_depth
 #   p2_depth/polynomial/bnn_learned/mlp_w256_d2/seed0/eval/polynomial,method.covariance=full/results.json
 #   p2_depth/polynomial/bnn_learned/mlp_w256_d2/seed0/results.json
 #   p2_depth/polynomial/bnn_learned/mlp_w256_d3/seed0/eval/polynomial,method.covariance=full/results.json
+#   p2_depth/polynomial/bnn_learned/mlp_w256_d3/seed0/eval/polynomial,method.covariance=mixture,eval_splits=[test]/results.json
 #   p2_depth/polynomial/bnn_learned/mlp_w256_d3/seed0/results.json
 #   p2_depth/polynomial/bnn_learned/mlp_w256_d4/seed0/eval/polynomial,method.covariance=full/results.json
 #   p2_depth/polynomial/bnn_learned/mlp_w256_d4/seed0/results.json
@@ -58,6 +64,7 @@ uqbench-tables --runs /tmp/p2d/runs --out tables --experiment p2_depth
 #   p2_depth/polynomial/bnn_learned/mlp_w4_d2/seed0/eval/polynomial,method.covariance=full/results.json
 #   p2_depth/polynomial/bnn_learned/mlp_w4_d2/seed0/results.json
 #   p2_depth/polynomial/bnn_learned/mlp_w4_d3/seed0/eval/polynomial,method.covariance=full/results.json
+#   p2_depth/polynomial/bnn_learned/mlp_w4_d3/seed0/eval/polynomial,method.covariance=mixture,eval_splits=[test]/results.json
 #   p2_depth/polynomial/bnn_learned/mlp_w4_d3/seed0/results.json
 #   p2_depth/polynomial/bnn_learned/mlp_w4_d4/seed0/eval/polynomial,method.covariance=full/results.json
 #   p2_depth/polynomial/bnn_learned/mlp_w4_d4/seed0/results.json
@@ -66,6 +73,7 @@ uqbench-tables --runs /tmp/p2d/runs --out tables --experiment p2_depth
 #   p2_depth/polynomial/bnn_learned/mlp_w64_d2/seed0/eval/polynomial,method.covariance=full/results.json
 #   p2_depth/polynomial/bnn_learned/mlp_w64_d2/seed0/results.json
 #   p2_depth/polynomial/bnn_learned/mlp_w64_d3/seed0/eval/polynomial,method.covariance=full/results.json
+#   p2_depth/polynomial/bnn_learned/mlp_w64_d3/seed0/eval/polynomial,method.covariance=mixture,eval_splits=[test]/results.json
 #   p2_depth/polynomial/bnn_learned/mlp_w64_d3/seed0/results.json
 #   p2_depth/polynomial/bnn_learned/mlp_w64_d4/seed0/eval/polynomial,method.covariance=full/results.json
 #   p2_depth/polynomial/bnn_learned/mlp_w64_d4/seed0/results.json
