@@ -186,6 +186,23 @@ def test_scorings_of_one_run_go_side_by_side_and_keep_the_run_from_being_written
         assert _free(run_dir / "eval" / "full")  # the folder's own lock was let go
 
 
+def test_a_scoring_that_fails_to_lock_its_folder_lets_go_of_the_run(tmp_path, monkeypatch):
+    """Any failure while taking the eval folder's lock (here the file system's) gives back the
+    run's shared lock it took first."""
+    run_dir = tmp_path / "r"
+    real = runfolder.RunLock.__enter__
+
+    def enter(lock):
+        if not lock.shared:
+            raise OSError("no space left on device")
+        return real(lock)
+    monkeypatch.setattr(runfolder.RunLock, "__enter__", enter)
+    with pytest.raises(OSError, match="no space"):
+        runfolder.RunFolder(run_dir / "eval" / "d", lock_on=run_dir).__enter__()
+    monkeypatch.setattr(runfolder.RunLock, "__enter__", real)
+    assert _free(run_dir)
+
+
 def test_the_stage_is_removed_on_an_exception_and_nothing_is_published(tmp_path):
     run_dir = tmp_path / "r"
     with pytest.raises(KeyError):

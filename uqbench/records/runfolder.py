@@ -26,7 +26,7 @@ import shutil
 import signal
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -79,14 +79,10 @@ class RunFolder:
                        [RunLock(lock_on, shared=True), RunLock(run_dir)])
 
     def __enter__(self) -> RunFolder:
-        taken: list[RunLock] = []
-        try:
+        with ExitStack() as taken:  # a lock refused lets go of those taken
             for lock in self._locks:
-                taken.append(lock.__enter__())
-        except RunLockedError:
-            for lock in taken:
-                lock.__exit__()
-            raise
+                taken.enter_context(lock)
+            taken.pop_all()  # all taken: held until __exit__
         if self._locks:
             for path in recover(self.run_dir):
                 log.info("removed %s, left by an interrupted job", path)
