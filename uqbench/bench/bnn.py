@@ -63,13 +63,14 @@ SECTION_ACCURACY = "Moment propagation vs Monte Carlo: accuracy (variance error 
 
 
 def build_bnn(width: int, depth: int, device: torch.device, fused: bool = True,
-              compile: bool = False) -> BayesianMLP:
+              compile: bool = False, covariance: str = "diagonal") -> BayesianMLP:
     """uqbench's BNN (embedded variance) on MLP(width, depth) with 1 input and 1 output, with
-    the method's ``fused`` and ``compile``. Seeded: every call gets the same weights."""
+    the method's ``fused``, ``compile`` and ``covariance``. Seeded: every call gets the same
+    weights."""
     info = DataInfo("regression", in_dim=1, out_dim=1, num_train_batches=20)
     torch.manual_seed(0)
     return BayesianMLP(MLP(width=width, depth=depth, slope=SLOPE), info, fused=fused,
-                       compile=compile).to(device).eval()
+                       compile=compile, covariance=covariance).to(device).eval()
 
 
 def plain_twin(bnn: BayesianMLP) -> nn.Sequential:
@@ -383,12 +384,8 @@ def full_covariance(device: torch.device, quick: bool = False) -> list[Record]:
     width, depth = (64, 3) if quick else FULL_NET
     inputs = -(-covariance.COMPILE_PAIRS // (width * (width - 1) // 2)) if quick else FULL_INPUTS
     x = torch.linspace(-2, 2, inputs, device=device).unsqueeze(1)
-    info = DataInfo("regression", in_dim=1, out_dim=1, num_train_batches=20)
-    torch.manual_seed(0)
-    full = BayesianMLP(MLP(width=width, depth=depth, slope=SLOPE), info,
-                       covariance="full").to(device).eval()
-    diagonal = copy.deepcopy(full)
-    diagonal.covariance = "diagonal"
+    full = build_bnn(width, depth, device, covariance="full")
+    diagonal = build_bnn(width, depth, device)  # the same weights
 
     def eager() -> object:
         with _eager_full_covariance():

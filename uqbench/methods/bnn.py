@@ -565,8 +565,7 @@ class BayesianMLP(Method):
         square, link = torch.zeros_like(total), torch.zeros_like(total)
         for start in range(0, samples, chunk):
             n = min(chunk, samples - start)
-            out = (_tapped_draws(self.net, x.expand(n, *x.shape), taps) if taps
-                   else self._draws(x, n)).double()  # (s, B, outputs)
+            out = _tapped_draws(self.net, x.expand(n, *x.shape), taps).double()  # (s, B, outputs)
             y = out[..., :d] - shift
             noise = apply_link(self.variance_link, out[..., d:]) if self.variance == "learned" \
                 else None
