@@ -242,8 +242,8 @@ def test_diagnostics_measure_the_moment_vs_mc_gap(variance, monkeypatch):
         exact = _deterministic_features(BayesianMLP(MLP(width=8), INFO, variance=variance,
                                                     rho_init=-1.0))
         found = exact.diagnostics(x)
-        parts = ({"mc_epistemic_std_ratio", "mc_aleatoric_ratio", "mc_link_closure_ratio"}
-                 if variance == "learned" else set())
+        parts = ({"mc_epistemic_std_ratio", "mc_aleatoric_ratio", "mc_link_closure_ratio",
+                  "mc_link_last_layer_ratio"} if variance == "learned" else set())
         assert set(found) == {"mc_mean_gap", "mc_std_ratio", "mc_std_ratio_se",
                               "mc_std_ratio_z", "mc_samples"} | parts
         assert found["mc_std_ratio_z"] == pytest.approx(
@@ -365,6 +365,81 @@ def test_the_link_closure_is_the_gaussian_at_the_draws_own_moments(covariance, m
     assert abs(expected - 1) > 0.1
 
 
+def test_the_last_layer_link_takes_the_layers_below_from_the_draws(monkeypatch):
+    """mc_link_last_layer_ratio on a depth-2 network: for each of Monte Carlo's draws of the
+    last hidden layer's input h (rebuilt by hand: the diagnostics' seed and uneven chunks), a₂'s
+    mean and variance given h by the textbook rules in numpy (Gaussian pre-activations, the
+    rectified Gaussian's two moments, a sum of independent products), E[softplus] under that
+    Gaussian by scipy's adaptive quadrature, averaged over the draws, over the draws' mean
+    softplus(a₂), averaged over inputs: to 1e-7. On this narrow network with wide weights the
+    last layer's sum alone is far from Gaussian, and the ratio far from 1."""
+    from scipy import integrate, stats
+
+    monkeypatch.setattr(bnn_module, "CHECK_CHUNK_ELEMENTS", 7 * 5 * 10)
+    torch.manual_seed(4)
+    bnn = BayesianMLP(MLP(width=3, depth=2), INFO, variance="learned", rho_init=1.0,
+                      check_samples=61).double()
+    x = torch.linspace(-2, 2, 5, dtype=torch.float64).unsqueeze(1)
+    net = list(bnn.net)
+    assert [type(m).__name__ for m in net] == ["GaussianLinear", "MomentLeakyReLU"] * 2 + [
+        "GaussianLinear"]
+    k = net[1].slope  # Leaky-ReLU: y = k·z + (1 − k)·relu(z)
+    layers = [m for m in net if isinstance(m, bnn_module.GaussianLinear)]
+    per_draw = sum(m.weight_mu.numel() + m.bias_mu.numel() + 5 * m.out_features for m in layers)
+    chunk = max(1, 7 * 5 * 10 // per_draw)
+    assert chunk < 61 and 61 % chunk != 0
+    hs, outs = [], []
+    with torch.no_grad(), bnn_module._private_rng(x.device, seed=0):
+        for lo in range(0, 61, chunk):
+            a = x.expand(min(chunk, 61 - lo), *x.shape)
+            for i, m in enumerate(net):
+                if i == 2:
+                    hs.append(a)
+                a = m.forward_sampled(a)
+            outs.append(a)
+    h = torch.cat(hs).numpy()                                     # (S, B, 3)
+    a2 = torch.cat(outs)[..., 1].numpy()                          # (S, B)
+
+    def params(m):
+        return (m.weight_mu.detach().numpy(), F.softplus(m.weight_rho).detach().numpy() ** 2,
+                m.bias_mu.detach().numpy(), F.softplus(m.bias_rho).detach().numpy() ** 2)
+
+    mw, vw, mb, vb = params(net[2])
+    mz, vz = h @ mw.T + mb, (h * h) @ vw.T + vb                   # (S, B, 3)
+    t = mz / np.sqrt(vz)
+    r1 = mz * stats.norm.cdf(t) + np.sqrt(vz) * stats.norm.pdf(t)                # E[relu z]
+    r2 = (mz * mz + vz) * stats.norm.cdf(t) + mz * np.sqrt(vz) * stats.norm.pdf(t)  # E[relu² z]
+    e1 = k * mz + (1 - k) * r1                      # E[z·relu z] = E[relu² z] below
+    e2 = k * k * (mz * mz + vz) + (1 - k * k) * r2
+    mw, vw, mb, vb = params(net[4])
+    m2 = e1 @ mw[1] + mb[1]
+    v2 = (e2 - e1 * e1) @ (mw[1] ** 2 + vw[1]) + (e1 * e1) @ vw[1] + vb[1]
+
+    def closed(m, sd):
+        return integrate.quad(lambda a: np.logaddexp(0, a) * stats.norm.pdf(a, m, sd),
+                              m - 40 * sd, m + 40 * sd, epsabs=0, epsrel=1e-11, limit=400,
+                              points=[m])[0]
+
+    given = np.array([[closed(m2[s, b], np.sqrt(v2[s, b])) for b in range(5)]
+                      for s in range(61)])
+    expected = float(np.mean(given.mean(0) / np.logaddexp(0, a2).mean(0)))
+    found = bnn.diagnostics(x)
+    assert found["mc_link_last_layer_ratio"] == pytest.approx(expected, rel=1e-7)
+    assert abs(expected - 1) > 0.1
+
+
+def test_the_last_layer_link_at_depth_one_is_the_moment_pass():
+    """With one hidden layer its input is the network's input, the same for every draw: the
+    last-layer ratio is the diagonal pass's own noise ratio (its moments are exact there)."""
+    torch.manual_seed(5)
+    bnn = BayesianMLP(MLP(width=6), INFO, variance="learned", rho_init=0.0,
+                      check_samples=200).double()
+    found = bnn.diagnostics(torch.linspace(-2, 2, 7, dtype=torch.float64).unsqueeze(1))
+    assert found["mc_link_last_layer_ratio"] == pytest.approx(found["mc_aleatoric_ratio"],
+                                                              rel=1e-9)
+    assert abs(found["mc_aleatoric_ratio"] - 1) > 1e-3  # Monte Carlo's own error: not trivially 1
+
+
 def test_diagnostics_leave_the_random_state_alone_and_can_be_switched_off():
     torch.manual_seed(0)
     method = BayesianMLP(MLP(width=8, depth=2), INFO, variance="learned", check_samples=300)
@@ -396,7 +471,7 @@ def test_the_runner_records_diagnostics_and_changes_no_other_metric(compose_cfg,
     keys = {"test/mc_mean_gap", "test/mc_std_ratio", "test/mc_std_ratio_se",
             "test/mc_std_ratio_z", "test/mc_samples",
             "test/mc_epistemic_std_ratio", "test/mc_aleatoric_ratio",
-            "test/mc_link_closure_ratio"}  # learned: the parts too
+            "test/mc_link_closure_ratio", "test/mc_link_last_layer_ratio"}  # learned: parts
     assert keys <= set(on["metrics"]) and not keys & set(off["metrics"])
     assert {k: v for k, v in on["metrics"].items() if k not in keys} == off["metrics"]
     assert on["metrics"]["test/mc_samples"] == 2000

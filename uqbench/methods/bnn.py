@@ -420,9 +420,11 @@ class BayesianMLP(Method):
         of the mean output alone (its σ over weight draws), and mc_aleatoric_ratio, the mean of
         E[link(a₂)] by moments over its Monte Carlo mean (the predicted noise variance), and
         mc_link_closure_ratio, the same for a₂ closed at Monte Carlo's own two moments
-        (:meth:`_link_closure`). The
-        draws come from a fixed seed and the global random state is restored afterwards, so
-        the hook neither depends on nor changes what the run draws elsewhere. With
+        (:meth:`_link_closure`), and mc_link_last_layer_ratio, the same with the layers below
+        the last hidden layer exact (Monte Carlo's draws of its input) and only that layer's
+        sum closed (:class:`_LinkGiven`). The draws come from a fixed seed and the global
+        random state is restored afterwards, so the hook neither depends on nor changes what
+        the run draws elsewhere. With
         ``covariance: full`` also pass_cost_vs_diagonal: :meth:`pass_cost`, and
         mc_closure_std_ratio: :meth:`_closure_bound`, from the same draws.
         """
@@ -435,9 +437,10 @@ class BayesianMLP(Method):
         # variance's the output, on the same draws
         tap = self._closure_tap() if self.covariance != "diagonal" else None
         output = _Tap(len(self.net)) if self.variance == "learned" else None
+        below = self._link_tap() if self.variance == "learned" else None
         with _private_rng(inputs.device, seed=0):
             sums = self._mc_sums(inputs, self.check_samples, shift, groups,
-                                 [t for t in (tap, output) if t is not None])
+                                 [t for t in (tap, output, below) if t is not None])
         mean, epistemic, aleatoric = _parts_from_sums([t.sum(0) for t in sums], shift)
         sd_mom = mom.var.double().sqrt()
 
@@ -460,6 +463,8 @@ class BayesianMLP(Method):
             found["mc_aleatoric_ratio"] = ((noise - self.min_var) / aleatoric).mean().item()
         if output is not None:
             found["mc_link_closure_ratio"] = self._link_closure(output, aleatoric)
+        if below is not None:
+            found["mc_link_last_layer_ratio"] = (below.mean() / aleatoric).mean().item()
         if self.covariance != "diagonal":
             found["pass_cost_vs_diagonal"] = self.pass_cost(inputs)
         if tap is not None:
@@ -479,6 +484,16 @@ class BayesianMLP(Method):
         a_var = cov.diagonal(dim1=-2, dim2=-1)[..., d:].clamp_min(0)
         closed = expected_link(self.variance_link, a_mean, a_var)
         return (closed / aleatoric).mean().item()
+
+    def _link_tap(self) -> _LinkGiven | None:
+        """mc_link_last_layer_ratio's tap: at the input of the last hidden layer (the Gaussian
+        linear layer before the last activation), the noise term given that input
+        (:class:`_LinkGiven`); None without a hidden activation."""
+        hidden = [i for i, m in enumerate(self.net) if not isinstance(m, GaussianLinear)]
+        if not hidden:
+            return None
+        at = max(i for i in range(hidden[-1]) if isinstance(self.net[i], GaussianLinear))
+        return _LinkGiven(at, list(self.net)[at:], self.out_dim, self.variance_link)
 
     def _closure_tap(self) -> _Tap | None:
         """A tap at the last activation's input (the last hidden layer's pre-activation), or
@@ -544,7 +559,7 @@ class BayesianMLP(Method):
         return _parts_from_sums([t.sum(0) for t in sums], shift)
 
     def _mc_sums(self, x: torch.Tensor, samples: int, shift: torch.Tensor, groups: int,
-                 taps: Sequence[_Tap] = ()
+                 taps: Sequence[_Tap | _LinkGiven] = ()
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sums over ``samples`` weight draws, split into ``groups`` consecutive groups of
         draws (as equal as the count allows): each (groups, B, out), float64, of the mean
@@ -612,16 +627,50 @@ class _Tap:
         return self.centre + mean, 0.5 * (cov + cov.transpose(-1, -2))
 
 
-def _tapped_draws(net: MomentSequential, x: torch.Tensor, taps: Sequence[_Tap]) -> torch.Tensor:
+class _LinkGiven:
+    """Running sum, float64, over sampled passes of E[link(a₂) | x], x the input of layer
+    ``layer`` (the last hidden layer's): given x, that layer's units are independent Gaussians
+    (their weights are), so the diagonal rules carry x through the ``rest`` of the network
+    (that layer, the last activation, the output layer) to a₂'s exact mean and variance given
+    x, and a₂ is closed as the Gaussian of those. Averaged over Monte Carlo's draws of x, it is
+    the noise term with everything below the last hidden layer exact: its error is that of the
+    last hidden layer's sum alone, which no closure of the layers below can remove."""
+
+    def __init__(self, layer: int, rest: Sequence[MomentModule], out_dim: int, link: str) -> None:
+        self.layer, self.rest, self.out_dim, self.link = layer, list(rest), out_dim, link
+        self.total: torch.Tensor | None = None
+        self.count = 0
+
+    def add(self, a: torch.Tensor) -> None:
+        """Adds draws (S, B, d) of the tapped input to the sum."""
+        mean, var = a, torch.zeros_like(a)
+        for m in self.rest:
+            mean, var = m(mean, var)
+        d = self.out_dim
+        part = expected_link(self.link, mean[..., d:].double(),
+                             var[..., d:].double().clamp_min(0)).sum(0)
+        self.total = part if self.total is None else self.total + part
+        self.count += a.shape[0]
+
+    def mean(self) -> torch.Tensor:
+        """E[link(a₂) | x] averaged over the draws (B, out)."""
+        assert self.total is not None
+        return self.total / self.count
+
+
+def _tapped_draws(net: MomentSequential, x: torch.Tensor,
+                  taps: Sequence[_Tap | _LinkGiven]) -> torch.Tensor:
     """``net.forward_sampled(x)`` (the same draws, in the same order), adding each tapped
-    layer's input (S, B, d), or the output, to its tap's sums on the way."""
-    at = {t.layer: t for t in taps}
+    layer's input (S, B, d), or the output, to its taps' sums on the way."""
+    at: dict[int, list[_Tap | _LinkGiven]] = {}
+    for t in taps:
+        at.setdefault(t.layer, []).append(t)
     for i, m in enumerate(net):
-        if i in at:
-            at[i].add(x)
+        for t in at.get(i, ()):
+            t.add(x)
         x = m.forward_sampled(x)
-    if len(net) in at:
-        at[len(net)].add(x)
+    for t in at.get(len(net), ()):
+        t.add(x)
     return x
 
 
