@@ -178,7 +178,8 @@ def test_added_keys_take_the_value_older_runs_used():
                           "method.masks": "torch", "trainer.select_metric": "nll",
                           "task.conformal_alpha": 0.1, "task.conformal": ["thr", "aps"],
                           "task.conformal_score": "normalized", "method.covariance": "diagonal",
-                          "method.mixture_modes": 2, "method.mixture_nodes": 8}
+                          "method.mixture_modes": 2, "method.mixture_nodes": 8,
+                          "method.mixture_link_nodes": 8}
     assert differences({"trainer": {}}, {"trainer": {"precision": "32"}}) == []
     # a BNN run stored before method.covariance existed propagated the diagonal moments
     assert differences({"method": {}}, {"method": {"covariance": "diagonal"}}) == []

@@ -50,13 +50,13 @@ ENGINE_LAYOUT = ("strategy", "devices", "num_nodes", "accumulate", "activation_c
 # options only add metrics (split-conformal sets fitted on val after training): a run stored
 # before they existed is the same run without those metrics (`job=eval` adds them). The BNN's
 # covariance: diagonal is the moment propagation its runs always used, and the mixture's sizes
-# only act with covariance: mixture.
+# (its noise term's split too) only act with covariance: mixture, which a training run refuses.
 ADDED_KEYS: dict[str, Any] = {"trainer.precision": "32", "method.rank": None,
                               "method.masks": "torch", "trainer.select_metric": "nll",
                               "task.conformal_alpha": 0.1, "task.conformal": ["thr", "aps"],
                               "task.conformal_score": "normalized",
                               "method.covariance": "diagonal", "method.mixture_modes": 2,
-                              "method.mixture_nodes": 8}
+                              "method.mixture_nodes": 8, "method.mixture_link_nodes": 8}
 
 
 def speed_options(config: dict[str, Any]) -> tuple[str, ...]:

@@ -69,7 +69,7 @@ from uqbench.methods.moments.layers import (
     full_pass,
 )
 from uqbench.methods.moments.links import LINKS, apply_link, expected_link
-from uqbench.methods.moments.mixture import mix, mixture_moments
+from uqbench.methods.moments.mixture import LinkSplit, mix, mixture_moments
 from uqbench.methods.moments.step import Plan, fusable, fused_plan, planned_moments_and_kl
 
 VARIANCES = ("embedded", "learned")
@@ -88,7 +88,7 @@ def check_options(variance: str = "embedded", inference: str = "moments",
                   check_samples: int = 2000, prior_std: float = 1.0, kl_scale: float = 1.0,
                   kl_weight: float | None = None, fused: bool = True, compile: bool = False,
                   covariance: str = "diagonal", mixture_modes: int = 2, mixture_nodes: int = 8,
-                  **_: Any) -> None:
+                  mixture_link_nodes: int = 8, **_: Any) -> None:
     """Refuse a setting the BNN cannot use, naming the value and the valid choices; the
     runner calls it (through :meth:`BayesianMLP.check_settings`) before anything is built."""
     for key, value, choices in (("variance", variance, VARIANCES),
@@ -128,6 +128,10 @@ def check_options(variance: str = "embedded", inference: str = "moments",
     for key, count in (("mixture_modes", mixture_modes), ("mixture_nodes", mixture_nodes)):
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"method.{key} must be an integer >= 1, got {count!r}")
+    if isinstance(mixture_link_nodes, bool) or not isinstance(mixture_link_nodes, int) \
+            or mixture_link_nodes < 0:
+        raise ValueError(f"method.mixture_link_nodes must be an integer >= 0 (0: a₂ closed as "
+                         f"one Gaussian), got {mixture_link_nodes!r}")
 
 
 def tabular_backbones() -> str:
@@ -169,6 +173,7 @@ class BayesianMLP(Method):
     task = "regression"
     speed_options: tuple[str, ...] = ("fused", "compile")  # not part of a run's identity
     scoring_options: tuple[str, ...] = ("covariance", "mixture_modes", "mixture_nodes",
+                                        "mixture_link_nodes",
                                         "inference", "mc_samples", "check_samples")
 
     def __init__(self, backbone: MLP, info: DataInfo, name: str = "bnn",
@@ -178,14 +183,15 @@ class BayesianMLP(Method):
                  kl_scale: float = 1.0, training: str = "moments", train_samples: int = 16,
                  check_samples: int = 2000, fused: bool = True, compile: bool = False,
                  covariance: str = "diagonal", mixture_modes: int = 2,
-                 mixture_nodes: int = 8) -> None:
+                 mixture_nodes: int = 8, mixture_link_nodes: int = 8) -> None:
         super().__init__()
         check_options(variance=variance, inference=inference, variance_link=variance_link,
                       prior=prior, training=training, mc_samples=mc_samples,
                       train_samples=train_samples, check_samples=check_samples,
                       prior_std=prior_std, kl_scale=kl_scale, kl_weight=kl_weight,
                       fused=fused, compile=compile, covariance=covariance,
-                      mixture_modes=mixture_modes, mixture_nodes=mixture_nodes)
+                      mixture_modes=mixture_modes, mixture_nodes=mixture_nodes,
+                      mixture_link_nodes=mixture_link_nodes)
         modality = getattr(backbone, "modality", None)
         if modality != "tabular":
             raise ValueError(
@@ -206,6 +212,7 @@ class BayesianMLP(Method):
         self.fused, self.compiled = fused, compile
         self.covariance = covariance
         self.mixture_modes, self.mixture_nodes = int(mixture_modes), int(mixture_nodes)
+        self.mixture_link_nodes = int(mixture_link_nodes)
         self.out_dim = int(info.out_dim or 1)
         outputs = self.out_dim * (2 if variance == "learned" else 1)
         # The deterministic network only describes the layers: on the meta device it holds no
@@ -257,7 +264,10 @@ class BayesianMLP(Method):
                 "check_samples": self.check_samples, "covariance": self.covariance,
                 # the mixture's sizes act only with it
                 **({"mixture_modes": self.mixture_modes, "mixture_nodes": self.mixture_nodes}
-                   if self.covariance == "mixture" else {})}
+                   if self.covariance == "mixture" else {}),
+                # and the noise term's split only with a learned variance
+                **({"mixture_link_nodes": self.mixture_link_nodes}
+                   if self.covariance == "mixture" and self.variance == "learned" else {})}
 
     # -- moments: one analytic pass ----------------------------------------------------------
     def moment_pass(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,7 +278,7 @@ class BayesianMLP(Method):
         splits the last activation's input into a Gaussian mixture
         (:mod:`~uqbench.methods.moments.mixture`), whose moments are mixed here."""
         if self.covariance == "mixture":
-            return mix(*self._components(x))
+            return mix(*self._components(x)[:3])
         if self.covariance == "full":
             return self.net.forward_full(x, fused=self.fused)[:2]
         if not self.fused:
@@ -284,23 +294,30 @@ class BayesianMLP(Method):
             return self._mixed_head(*self._components(x))
         return self._head(*self.moment_pass(x))
 
-    def _components(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``covariance: mixture``: the output moments per component (B, N, outputs) and the
-        components' weights (N,)."""
+    def _components(self, x: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``covariance: mixture``: the output moments per component (B, N, outputs), the
+        components' weights (N,), and (learned variance, ``mixture_link_nodes`` > 0) the noise
+        term E[link(a₂)] (B, out) by the split along a₂'s direction, else None."""
+        link = (LinkSplit(self.out_dim, self.variance_link, self.mixture_link_nodes)
+                if self.variance == "learned" and self.mixture_link_nodes > 0 else None)
         return mixture_moments(list(self.net), x, self.mixture_modes, self.mixture_nodes,
-                               fused=self.fused)
+                               fused=self.fused, link=link)
 
-    def _mixed_head(self, mean: torch.Tensor, var: torch.Tensor,
-                    weights: torch.Tensor) -> RegressionOutput:
+    def _mixed_head(self, mean: torch.Tensor, var: torch.Tensor, weights: torch.Tensor,
+                    noise: torch.Tensor | None = None) -> RegressionOutput:
         """The predictive moments of a mixture's components (B, N, outputs), weights (N,): the
         first d outputs' mean and variance mixed (law of total variance), and (learned) the
-        weighted mean over the components of E[link(a₂)] under each one's Gaussian."""
+        noise term: ``noise`` (B, d) where the split computed it, else the weighted mean over
+        the components of E[link(a₂)] under each one's Gaussian."""
         d = self.out_dim
         mu, epistemic = mix(mean[..., :d], var[..., :d], weights)
         if self.variance == "embedded":
             return RegressionOutput(mu, epistemic + self.min_var)
-        aleatoric = (weights.view(1, -1, 1) * expected_link(
-            self.variance_link, mean[..., d:], var[..., d:])).sum(1) + self.min_var
+        if noise is None:
+            noise = (weights.view(1, -1, 1) * expected_link(
+                self.variance_link, mean[..., d:], var[..., d:])).sum(1)
+        aleatoric = noise + self.min_var
         return RegressionOutput(mu, epistemic + aleatoric, aleatoric)
 
     def _head(self, mean: torch.Tensor, var: torch.Tensor) -> RegressionOutput:

@@ -29,6 +29,20 @@ and E[link(a₂)] of a learned variance mixes as Σ w_n E[link(a₂) | n] (the h
 the r directions' spread; the rule converges to the Gaussian-at-a answer as ``nodes`` grows,
 and to the exact one as ``modes`` reaches the width as well.
 
+The noise term of a learned variance needs more. E[link(a₂)] is an expectation over a₂'s
+upper tail, and a₂ is the output layer's sum over the last activation's units, weighted by
+random weights: even where the last activation's input z is close to Gaussian, that sum is
+not (a₂ is skewed, its upper tail lighter than a Gaussian's), and a₂ closed as one Gaussian
+at its exact mean and variance can be off by a factor of two or more. So, per component,
+E[link(a₂)] also splits z along a₂'s own direction: with z ~ N(M, C), g = μ_w ⊙ E[f'(z)]
+(a₂'s mean weights times the activation's mean slope, its statistical linearisation) and
+k = C g / √(gᵀ C g), z = M + t k + e with t ~ N(0, 1) and e ~ N(0, C − k kᵀ) (exactly: by
+Stein's lemma k is the direction along which z carries a₂'s linear part), t integrated by
+``link_nodes`` Gauss–Hermite nodes, each node's Gaussian run through the last activation and
+the output layer by the full pass, a₂ closed given the node, E[link(a₂)] mixed over the nodes
+(:func:`link_split`). It changes only the noise term; ``link_nodes`` 0 closes a₂ as one
+Gaussian per component, as the plain full pass does.
+
 Cost: N times the rest of the network's full pass, taken over the components of a chunk of
 inputs at a time (:data:`CHUNK_ELEMENTS` of covariance entries), plus one eigendecomposition of
 each input's (d, d) Σ; the pass up to the split takes the inputs in chunks of as many
@@ -42,12 +56,19 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
 import torch
 
-from uqbench.methods.moments.layers import GaussianLinear, MomentModule, full_pass
+from uqbench.methods.moments.layers import (
+    GaussianLinear,
+    MomentLeakyReLU,
+    MomentModule,
+    full_pass,
+)
+from uqbench.methods.moments.links import expected_link
 
 CHUNK_ELEMENTS = 2**24  # covariance entries (components × inputs × d²) taken through at once
 
@@ -88,31 +109,99 @@ def components(mean: torch.Tensor, cov: torch.Tensor, modes: int, nodes: int
     return means, residual, mean.new_tensor(weights)
 
 
+@dataclass(frozen=True)
+class LinkSplit:
+    """The noise term's split (module docstring): outputs ``out_dim`` … 2·out_dim − 1 are a₂,
+    ``link`` their variance link, ``nodes`` the Gauss–Hermite nodes along each a₂'s direction."""
+
+    out_dim: int
+    link: str
+    nodes: int
+
+
 def mixture_moments(layers: Sequence[MomentModule], x: torch.Tensor, modes: int, nodes: int,
-                    fused: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    fused: bool = True, link: LinkSplit | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The network's output moments per component: means and variances (B, N, outputs) and the
-    weights (N,), for inputs x (B, in) (module docstring). Fewer than two activations: one
+    weights (N,), for inputs x (B, in) (module docstring), and with ``link`` the noise term
+    E[link(a₂)] (B, out_dim) by :func:`link_split`, else None. Fewer than two activations: one
     component, the plain full pass."""
     layers = list(layers)
     at = split_point(layers)
     if at is None:
-        mean, var, _ = full_pass(layers, (x, None, None), fused=fused)
-        return mean.unsqueeze(1), var.unsqueeze(1), x.new_ones(1)
+        if link is None:
+            mean, var, _ = full_pass(layers, (x, None, None), fused=fused)
+            return mean.unsqueeze(1), var.unsqueeze(1), x.new_ones(1), None
+        last = _tail(layers)
+        m, v, c = full_pass(layers[:last], (x, None, None), full_out=True, fused=fused)
+        c = torch.diag_embed(v) if c is None else c
+        mean, var, _ = full_pass(layers[last:], (m, v, c), fused=fused)
+        return (mean.unsqueeze(1), var.unsqueeze(1), x.new_ones(1),
+                link_split(layers[last:], m, c, link, fused))
     # the part below the split carries a (d, d) covariance per input: inputs in chunks too
     widest = max(m.out_features for m in layers[:at] if isinstance(m, GaussianLinear))
     outer = max(1, CHUNK_ELEMENTS // (widest * widest))
-    outs = [_split_and_finish(layers, at, x[lo:lo + outer], modes, nodes, fused)
+    outs = [_split_and_finish(layers, at, x[lo:lo + outer], modes, nodes, fused, link)
             for lo in range(0, x.shape[0], outer)]
     weights = outs[0][2]
-    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs]), weights
+    noises = [o[3] for o in outs if o[3] is not None]
+    return (torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs]), weights,
+            torch.cat(noises) if noises else None)
+
+
+def _tail(layers: Sequence[MomentModule]) -> int:
+    """The index of the last activation, which with the output layer after it makes the
+    network's tail (the noise term's split needs exactly that: activation, Gaussian linear)."""
+    last = max(i for i, m in enumerate(layers) if not isinstance(m, GaussianLinear))
+    tail = layers[last:]
+    if len(tail) != 2 or not isinstance(tail[0], MomentLeakyReLU) \
+            or not isinstance(tail[1], GaussianLinear):
+        raise ValueError(f"the noise term's split needs the network to end in a Leaky-ReLU and "
+                         f"a Gaussian linear layer; it ends in "
+                         f"{[type(m).__name__ for m in tail]}")
+    return last
+
+
+def link_split(tail: Sequence[MomentModule], mean: torch.Tensor, cov: torch.Tensor,
+               link: LinkSplit, fused: bool = True) -> torch.Tensor:
+    """E[link(a₂)] (B, out_dim) with the last activation's input z ~ N(mean (B, D), cov
+    (B, D, D)) split along each a₂'s own direction (module docstring): ``tail`` = that
+    activation and the output layer."""
+    act, out = tail
+    assert isinstance(act, MomentLeakyReLU) and isinstance(out, GaussianLinear)
+    b, dim = mean.shape
+    sd = cov.diagonal(dim1=-2, dim2=-1).clamp_min(torch.finfo(cov.dtype).tiny).sqrt()
+    slope = act.slope + (1 - act.slope) * torch.special.ndtr(mean / sd)  # E[f'(z)], (B, D)
+    t, w = np.polynomial.hermite_e.hermegauss(link.nodes)
+    t_, w_ = mean.new_tensor(t), mean.new_tensor(w / w.sum())
+    n, d = link.nodes, link.out_dim
+    found = []
+    for j in range(d):
+        g = out.weight_mu[d + j].to(mean.dtype) * slope                 # (B, D)
+        cg = torch.einsum("bij,bj->bi", cov, g)
+        spread = (g * cg).sum(-1, keepdim=True)
+        k = torch.where(spread > 0, cg / spread.clamp_min(torch.finfo(cov.dtype).tiny).sqrt(),
+                        torch.zeros_like(cg))                          # (B, D)
+        residual = cov - k.unsqueeze(-1) * k.unsqueeze(-2)
+        residual = 0.5 * (residual + residual.transpose(-1, -2))
+        means = mean.unsqueeze(1) + t_.view(1, -1, 1) * k.unsqueeze(1)  # (B, n, D)
+        res = residual.unsqueeze(1).expand(b, n, dim, dim).reshape(b * n, dim, dim)
+        om, ov, _ = full_pass(tail, (means.reshape(b * n, dim),
+                                     res.diagonal(dim1=-2, dim2=-1).clamp_min(0), res),
+                              fused=fused)
+        given = expected_link(link.link, om[:, d + j], ov[:, d + j].clamp_min(0))
+        found.append((given.reshape(b, n) * w_).sum(1))
+    return torch.stack(found, dim=-1)
 
 
 def _split_and_finish(layers: list[MomentModule], at: int, x: torch.Tensor, modes: int,
-                      nodes: int, fused: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      nodes: int, fused: bool, link: LinkSplit | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """:func:`mixture_moments` for one chunk of inputs: the full pass up to the split, then
     the components of a few inputs at a time (:data:`CHUNK_ELEMENTS` covariance entries)
-    through the rest."""
+    through the rest; with ``link``, the components' Gaussians at the last activation's input
+    are collapsed to one per input (their mixture's mean and covariance), whose
+    :func:`link_split` is the noise term."""
     mean, var, cov = full_pass(layers[:at], (x, None, None), full_out=True, fused=fused)
     if cov is None:
         cov = torch.diag_embed(var)
@@ -120,16 +209,39 @@ def _split_and_finish(layers: list[MomentModule], at: int, x: torch.Tensor, mode
     weights = mean.new_tensor(hermite_grid(min(modes, d), nodes)[1])
     n = weights.numel()
     step = max(1, CHUNK_ELEMENTS // (n * d * d))
+    last = None if link is None else _tail(layers)
     outs = []
     for lo in range(0, b, step):
         means, residual, _ = components(mean[lo:lo + step], cov[lo:lo + step], modes, nodes)
         bb = means.shape[0]
         res = residual.unsqueeze(1).expand(bb, n, d, d).reshape(bb * n, d, d)
-        part = full_pass(layers[at:], (means.reshape(bb * n, d),
-                                       res.diagonal(dim1=-2, dim2=-1).clamp_min(0), res),
-                         fused=fused)
-        outs.append((part[0].reshape(bb, n, -1), part[1].reshape(bb, n, -1)))
-    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs]), weights
+        start = (means.reshape(bb * n, d), res.diagonal(dim1=-2, dim2=-1).clamp_min(0), res)
+        noise = None
+        if last is None:
+            part = full_pass(layers[at:], start, fused=fused)
+        else:
+            assert link is not None
+            m, v, c = full_pass(layers[at:last], start, full_out=True, fused=fused)
+            c = torch.diag_embed(v) if c is None else c
+            part = full_pass(layers[last:], (m, v, c), fused=fused)
+            noise = link_split(layers[last:], *_collapse(m.reshape(bb, n, -1),
+                                                         c.reshape(bb, n, *c.shape[-2:]),
+                                                         weights), link, fused)
+        outs.append((part[0].reshape(bb, n, -1), part[1].reshape(bb, n, -1), noise))
+    noises = [o[2] for o in outs if o[2] is not None]
+    return (torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs]), weights,
+            torch.cat(noises) if noises else None)
+
+
+def _collapse(means: torch.Tensor, covs: torch.Tensor, weights: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One Gaussian per input from its components' means (B, N, D) and covariances
+    (B, N, D, D): the mixture's mean and covariance (the law of total covariance)."""
+    w = weights.view(1, -1, 1)
+    mean = (w * means).sum(1)
+    spread = means - mean.unsqueeze(1)
+    cov = (weights.view(1, -1, 1, 1) * (covs + spread.unsqueeze(-1) * spread.unsqueeze(-2))).sum(1)
+    return mean, 0.5 * (cov + cov.transpose(-1, -2))
 
 
 def mix(mean: torch.Tensor, var: torch.Tensor, weights: torch.Tensor
