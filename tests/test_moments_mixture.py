@@ -181,6 +181,14 @@ def test_chunks_of_inputs_and_components_change_nothing(chunk, monkeypatch):
         got = mixture_moments(net, x, 3, 4)
         got_link = mixture_moments(learned, x, 3, 4, link=link)
     assert got[3] is None and want_link[3] is not None and want_link[3].shape == (7, 1)
+    with torch.no_grad():  # one hidden layer: the split takes all the inputs' Gaussians at once
+        shallow = list(BayesianMLP(MLP(width=4), INFO, variance="learned", rho_init=-1.0,
+                                   covariance="mixture").double().net)
+        monkeypatch.setattr(mixture, "CHUNK_ELEMENTS", 2**30)
+        whole = mixture_moments(shallow, x, 3, 4, link=link)[3]
+        monkeypatch.setattr(mixture, "CHUNK_ELEMENTS", chunk)
+        torch.testing.assert_close(mixture_moments(shallow, x, 3, 4, link=link)[3], whole,
+                                   rtol=1e-12, atol=1e-15)
     for a, b in [*zip(got[:3], want[:3], strict=True), *zip(got_link, want_link, strict=True)]:
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
 

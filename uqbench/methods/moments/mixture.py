@@ -166,7 +166,12 @@ def link_split(tail: Sequence[MomentModule], mean: torch.Tensor, cov: torch.Tens
                link: LinkSplit, fused: bool = True) -> torch.Tensor:
     """E[link(a₂)] (B, out_dim) with the last activation's input z ~ N(mean (B, D), cov
     (B, D, D)) split along each a₂'s own direction (module docstring): ``tail`` = that
-    activation and the output layer."""
+    activation and the output layer. Inputs are taken in chunks of :data:`CHUNK_ELEMENTS`
+    covariance entries (nodes × inputs × D²)."""
+    step = max(1, CHUNK_ELEMENTS // (link.nodes * mean.shape[-1] ** 2))
+    if mean.shape[0] > step:
+        return torch.cat([link_split(tail, mean[lo:lo + step], cov[lo:lo + step], link, fused)
+                          for lo in range(0, mean.shape[0], step)])
     act, out = tail
     assert isinstance(act, MomentLeakyReLU) and isinstance(out, GaussianLinear)
     b, dim = mean.shape
