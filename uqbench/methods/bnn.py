@@ -506,17 +506,23 @@ class BayesianMLP(Method):
         """mc_link_last_layer_ratio's tap: at the input of the last hidden layer (the Gaussian
         linear layer before the last activation), the noise term given that input
         (:class:`_LinkGiven`); None without a hidden activation."""
-        hidden = [i for i, m in enumerate(self.net) if not isinstance(m, GaussianLinear)]
-        if not hidden:
+        last = self._last_activation()
+        if last is None:
             return None
-        at = max(i for i in range(hidden[-1]) if isinstance(self.net[i], GaussianLinear))
+        at = max(i for i in range(last) if isinstance(self.net[i], GaussianLinear))
         return _LinkGiven(at, list(self.net)[at:], self.out_dim, self.variance_link)
+
+    def _last_activation(self) -> int | None:
+        """The index of the network's last activation (its input: the last hidden layer's
+        pre-activation), or None without a hidden activation."""
+        return next((i for i in reversed(range(len(self.net)))
+                     if not isinstance(self.net[i], GaussianLinear)), None)
 
     def _closure_tap(self) -> _Tap | None:
         """A tap at the last activation's input (the last hidden layer's pre-activation), or
         None without a hidden activation."""
-        hidden = [i for i, m in enumerate(self.net) if not isinstance(m, GaussianLinear)]
-        return _Tap(hidden[-1]) if hidden else None
+        last = self._last_activation()
+        return None if last is None else _Tap(last)
 
     def _closure_bound(self, tap: _Tap, sd_mc: torch.Tensor) -> float:
         """mc_closure_std_ratio: the σ ratio to Monte Carlo (``sd_mc``, (B, out)) when the

@@ -133,9 +133,7 @@ def mixture_moments(layers: Sequence[MomentModule], x: torch.Tensor, modes: int,
             mean, var, _ = full_pass(layers, (x, None, None), fused=fused)
             return mean.unsqueeze(1), var.unsqueeze(1), x.new_ones(1), None
         last = _tail(layers)
-        m, v, c = full_pass(layers[:last], (x, None, None), full_out=True, fused=fused)
-        c = torch.diag_embed(v) if c is None else c
-        mean, var, _ = full_pass(layers[last:], (m, v, c), fused=fused)
+        (mean, var), (m, c) = _through_tail(layers, 0, last, (x, None, None), fused)
         return (mean.unsqueeze(1), var.unsqueeze(1), x.new_ones(1),
                 link_split(layers[last:], m, c, link, fused))
     # the part below the split carries a (d, d) covariance per input: inputs in chunks too
@@ -177,8 +175,8 @@ def link_split(tail: Sequence[MomentModule], mean: torch.Tensor, cov: torch.Tens
     b, dim = mean.shape
     sd = cov.diagonal(dim1=-2, dim2=-1).clamp_min(torch.finfo(cov.dtype).tiny).sqrt()
     slope = act.slope + (1 - act.slope) * torch.special.ndtr(mean / sd)  # E[f'(z)], (B, D)
-    t, w = np.polynomial.hermite_e.hermegauss(link.nodes)
-    t_, w_ = mean.new_tensor(t), mean.new_tensor(w / w.sum())
+    points, weights = hermite_grid(1, link.nodes)
+    t_, w_ = mean.new_tensor(points).squeeze(-1), mean.new_tensor(weights)
     n, d = link.nodes, link.out_dim
     found = []
     for j in range(d):
@@ -223,19 +221,30 @@ def _split_and_finish(layers: list[MomentModule], at: int, x: torch.Tensor, mode
         start = (means.reshape(bb * n, d), res.diagonal(dim1=-2, dim2=-1).clamp_min(0), res)
         noise = None
         if last is None:
-            part = full_pass(layers[at:], start, fused=fused)
+            out_mean, out_var, _ = full_pass(layers[at:], start, fused=fused)
         else:
             assert link is not None
-            m, v, c = full_pass(layers[at:last], start, full_out=True, fused=fused)
-            c = torch.diag_embed(v) if c is None else c
-            part = full_pass(layers[last:], (m, v, c), fused=fused)
+            (out_mean, out_var), (m, c) = _through_tail(layers, at, last, start, fused)
             noise = link_split(layers[last:], *_collapse(m.reshape(bb, n, -1),
                                                          c.reshape(bb, n, *c.shape[-2:]),
                                                          weights), link, fused)
-        outs.append((part[0].reshape(bb, n, -1), part[1].reshape(bb, n, -1), noise))
+        outs.append((out_mean.reshape(bb, n, -1), out_var.reshape(bb, n, -1), noise))
     noises = [o[2] for o in outs if o[2] is not None]
     return (torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs]), weights,
             torch.cat(noises) if noises else None)
+
+
+def _through_tail(layers: list[MomentModule], start: int, last: int,
+                  moments: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+                  fused: bool
+                  ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """The full pass from layer ``start`` (its input ``moments``) to the output, stopping at
+    the last activation (index ``last``) to keep its input's mean and covariance: the output's
+    mean and variance, and that input's mean and covariance (for :func:`link_split`)."""
+    m, v, c = full_pass(layers[start:last], moments, full_out=True, fused=fused)
+    c = torch.diag_embed(v) if c is None else c
+    mean, var, _ = full_pass(layers[last:], (m, v, c), fused=fused)
+    return (mean, var), (m, c)
 
 
 def _collapse(means: torch.Tensor, covs: torch.Tensor, weights: torch.Tensor
