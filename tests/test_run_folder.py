@@ -118,6 +118,14 @@ def test_a_second_job_into_the_same_folder_is_refused_and_a_dead_ones_lock_is_no
         first.kill()
         first.wait()
     assert not (tmp_path / "busy" / "results.json").exists()
+    # Under load the killed job may have reached an epoch end and left its checkpoint, which
+    # the next job rightly refuses as another configuration's; what is tested here is the lock
+    leftover = tmp_path / "busy" / "resume"
+    if leftover.exists():
+        refused = _cli(*SMALL, f"paths.runs_dir={tmp_path}", "run_name=busy")
+        assert refused.returncode == 1 and "another job" not in refused.stderr
+        assert "trainer.epochs: 100000 (stored) → 2 (requested)" in refused.stderr
+        shutil.rmtree(leftover)
     third = _cli(*SMALL, f"paths.runs_dir={tmp_path}", "run_name=busy")  # the lock died with it
     assert third.returncode == 0, third.stderr[-2000:]
     assert (tmp_path / "busy" / "results.json").is_file()
