@@ -174,12 +174,13 @@ def test_the_table_layout_is_no_part_of_the_identity_nor_of_the_path(compose_cfg
 
 
 def test_added_keys_take_the_value_older_runs_used():
-    assert ADDED_KEYS == {"trainer.precision": "32", "method.rank": None,
-                          "method.masks": "torch", "trainer.select_metric": "nll",
-                          "task.conformal_alpha": 0.1, "task.conformal": ["thr", "aps"],
-                          "task.conformal_score": "normalized", "method.covariance": "diagonal",
-                          "method.mixture_modes": 2, "method.mixture_nodes": 8,
-                          "method.mixture_link_nodes": 8}
+    fixed = {k: v for k, v in ADDED_KEYS.items() if not callable(v)}
+    assert fixed == {"trainer.precision": "32", "method.rank": None,
+                     "method.masks": "torch", "trainer.select_metric": "nll",
+                     "task.conformal_alpha": 0.1, "task.conformal": ["thr", "aps"],
+                     "task.conformal_score": "normalized", "method.covariance": "diagonal",
+                     "method.mixture_modes": 2, "method.mixture_nodes": 8}
+    assert set(ADDED_KEYS) - set(fixed) == {"method.mixture_link_nodes"}
     assert differences({"trainer": {}}, {"trainer": {"precision": "32"}}) == []
     # a BNN run stored before method.covariance existed propagated the diagonal moments
     assert differences({"method": {}}, {"method": {"covariance": "diagonal"}}) == []
@@ -192,6 +193,20 @@ def test_added_keys_take_the_value_older_runs_used():
     assert differences({"task": task}, {"task": dict(today, conformal_alpha=0.2)}) != []
     assert differences({"trainer": {}}, {"trainer": {"select_metric": "nll"}}) == []
     assert differences({"trainer": {}}, {"trainer": {"select_metric": "acc"}}) != []
+
+
+def test_a_learned_mixture_scoring_stored_before_the_noise_split_closed_a2_as_one_gaussian():
+    # the split acts only in a learned-variance mixture scoring: one stored without the key
+    # is link_nodes 0 (a₂ one Gaussian per component), anything else is today's default
+    old = {"method": {"variance": "learned", "covariance": "mixture"}}
+    today = {"method": {"variance": "learned", "covariance": "mixture", "mixture_link_nodes": 8}}
+    assert differences(old, today) == [
+        "method.mixture_link_nodes: '<absent>' (stored) → 8 (requested)"]
+    assert differences(old, {"method": dict(today["method"], mixture_link_nodes=0)}) == []
+    for method in ({"variance": "embedded", "covariance": "mixture"},
+                   {"variance": "learned", "covariance": "full"}, {"variance": "learned"}):
+        assert differences({"method": method},
+                           {"method": dict(method, mixture_link_nodes=8)}) == [], method
 
 
 def test_mc_dropout_runs_stored_before_the_mask_option_drew_torch_masks():

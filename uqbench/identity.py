@@ -50,13 +50,30 @@ ENGINE_LAYOUT = ("strategy", "devices", "num_nodes", "accumulate", "activation_c
 # options only add metrics (split-conformal sets fitted on val after training): a run stored
 # before they existed is the same run without those metrics (`job=eval` adds them). The BNN's
 # covariance: diagonal is the moment propagation its runs always used, and the mixture's sizes
-# (its noise term's split too) only act with covariance: mixture, which a training run refuses.
+# only act with covariance: mixture, which a training run refuses. A value may depend on the
+# rest of the stored config (a function of its dotted keys): the noise term's split
+# (mixture_link_nodes) acts only in a learned-variance mixture scoring, and such a scoring
+# stored before the key closed a₂ as one Gaussian per component, which is 0; elsewhere the key
+# is inert and counts as its default.
+def _link_nodes_before_the_split(flat: dict[str, Any]) -> int:
+    mixed = flat.get("method.covariance") == "mixture" and flat.get("method.variance") == "learned"
+    return 0 if mixed else 8
+
+
 ADDED_KEYS: dict[str, Any] = {"trainer.precision": "32", "method.rank": None,
                               "method.masks": "torch", "trainer.select_metric": "nll",
                               "task.conformal_alpha": 0.1, "task.conformal": ["thr", "aps"],
                               "task.conformal_score": "normalized",
                               "method.covariance": "diagonal", "method.mixture_modes": 2,
-                              "method.mixture_nodes": 8, "method.mixture_link_nodes": 8}
+                              "method.mixture_nodes": 8,
+                              "method.mixture_link_nodes": _link_nodes_before_the_split}
+
+
+def added_value(flat: dict[str, Any], key: str) -> Any:
+    """The value a config that lacks ``key`` (dotted; ``flat``: its other keys) ran with:
+    :data:`ADDED_KEYS`' value, or null for a key that is not there."""
+    value = ADDED_KEYS.get(key)
+    return value(flat) if callable(value) else value
 
 
 def speed_options(config: dict[str, Any]) -> tuple[str, ...]:
@@ -125,7 +142,7 @@ def differences(stored: dict[str, Any], requested: dict[str, Any],
     # a key one side lacks counts as null, or as the value that reproduces the runs stored
     # before the key existed: a newer config may add options
     def value(flat: dict[str, Any], key: str) -> Any:
-        return flat.get(key, ADDED_KEYS.get(key))
+        return flat[key] if key in flat else added_value(flat, key)
 
     keys = sorted(k for k in set(a) | set(b) if value(a, k) != value(b, k))
     lines = [f"{k}: {a.get(k, '<absent>')!r} (stored) → {b.get(k, '<absent>')!r} (requested)"

@@ -25,10 +25,16 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from uqbench.configs import build
-from uqbench.identity import scoring_options
+from uqbench.identity import differences, scoring_options
 from uqbench.records.loggers import log_results, run_labels
 from uqbench.records.results import group_settings, write_stage
-from uqbench.records.runfolder import RunExistsError, RunFolder, finished
+from uqbench.records.runfolder import (
+    ConfigMismatchError,
+    RunExistsError,
+    RunFolder,
+    finished,
+    stored_config,
+)
 from uqbench.runner import checkpoints
 from uqbench.runner.engine import resolve_device
 from uqbench.runner.evaluation import Splits, predict_splits, score
@@ -52,8 +58,9 @@ def eval_job(cfg: DictConfig) -> dict[str, Any]:
     run_cfg = _eval_config(cfg, stored, chosen, changed, task_keys)
     device, fallback = resolve_device(str(cfg.device))
     out = _folder(cfg, run_dir, run_cfg, changed)
+    run_config = cast(dict[str, Any], OmegaConf.to_container(run_cfg, resolve=True))
     with RunFolder(out, lock_on=run_dir) as folder:
-        if (kept := _kept(cfg, out)) is not None:
+        if (kept := _kept(cfg, out, run_config)) is not None:
             return kept
         start = time.perf_counter()
         predictions, data, splits, task, diagnostics = _predict(configs, device)
@@ -73,7 +80,6 @@ def eval_job(cfg: DictConfig) -> dict[str, Any]:
                    "environment": environment(),
                    "device": str(device), "device_note": fallback,
                    "recipe": scored_run.get("recipe") or {}}  # the scored run's choices
-        run_config = cast(dict[str, Any], OmegaConf.to_container(run_cfg, resolve=True))
         with folder.staging() as stage:
             write_stage(stage, run_config, results, predictions if cfg.save_predictions else {})
             folder.publish(stage)
@@ -153,15 +159,29 @@ def _resolved(value: Any) -> Any:
     return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
 
 
-def _kept(cfg: DictConfig, out: Path) -> dict[str, Any] | None:
-    """The stored results where skip_existing keeps them; None where this job scores."""
-    if (out / "results.json").is_file() and not cfg.overwrite:
-        if cfg.skip_existing:
-            kept: dict[str, Any] = json.loads((out / "results.json").read_text())
-            return kept
-        raise RunExistsError(f"{out}/results.json already exists: overwrite=true replaces "
-                             f"it, skip_existing=true keeps it")
-    return None
+def _kept(cfg: DictConfig, out: Path, requested: dict[str, Any]) -> dict[str, Any] | None:
+    """The stored results where skip_existing keeps them; None where this job scores.
+
+    skip_existing keeps only a scoring of the same configuration: one whose stored config
+    differs from ``requested`` (a scoring option whose default changed since, a scored run
+    trained again) is refused with the differences, before any work; overwrite=true scores
+    again and replaces it. The folder's name shows only the options the command named, so
+    this is what keeps a stale scoring from passing for today's."""
+    if not (out / "results.json").is_file() or cfg.overwrite:
+        return None
+    stored = stored_config(out)
+    diff = (differences(stored, requested) if stored
+            else ["config.yaml is missing or unreadable"])
+    if diff:
+        raise ConfigMismatchError(
+            f"{out} holds a scoring of another configuration:\n  " + "\n  ".join(diff)
+            + "\nskip_existing=true keeps only the same configuration's: pass overwrite=true "
+              "to score it again (the stored scoring is replaced)")
+    if cfg.skip_existing:
+        kept: dict[str, Any] = json.loads((out / "results.json").read_text())
+        return kept
+    raise RunExistsError(f"{out}/results.json already exists: overwrite=true replaces "
+                         f"it, skip_existing=true keeps it")
 
 
 def _predict(configs: dict[Path, DictConfig], device: torch.device
