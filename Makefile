@@ -185,14 +185,12 @@ p2: $(STAMP)  ## P2's result experiments (width sweep, diabetes, calibrated, rho
 # at the last activation too, table and claims (does each stay within 2 % of Monte Carlo for
 # every network of a width?). The mixture scores the test split only (its table's columns and
 # Monte Carlo check are all on it), four networks at a time (a width-256 one takes about
-# 10 min and 4 GB on one CPU core; seconds on a GPU, device=cuda). Its noise term closes a₂ as
-# one Gaussian per component (mixture_link_nodes=0), as when this table was made: the split
-# along a₂'s direction, the mixture's default now, is measured on p2_depth's networks only
+# 10 min and 4 GB on one CPU core; seconds on a GPU, device=cuda)
 .PHONY: p2-depth-seeds
 p2-depth-seeds: $(STAMP)  ## Depth 3 × 3 seeds, each network scored with the full pass and the mixture too; table and claims (make p2 runs it)
 	$(BIN)/uqbench experiment=p2_depth_seeds $(P2_SWEEP)
 	$(call score_with,p2_depth_seeds,method.covariance=full)
-	$(call score_with,p2_depth_seeds,method.covariance=mixture method.mixture_link_nodes=0 "eval_splits=[test]" hydra/launcher=local hydra.launcher.n_jobs=4)
+	$(call score_with,p2_depth_seeds,method.covariance=mixture "eval_splits=[test]" hydra/launcher=local hydra.launcher.n_jobs=4)
 	$(BIN)/uqbench-tables --experiment p2_depth_seeds --quiet
 
 # p2_depth alone: its networks (and p2_depth_full's, trained with the full pass), the

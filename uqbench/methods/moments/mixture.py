@@ -33,15 +33,18 @@ The noise term of a learned variance needs more. E[link(a₂)] is an expectation
 upper tail, and a₂ is the output layer's sum over the last activation's units, weighted by
 random weights: even where the last activation's input z is close to Gaussian, that sum is
 not (a₂ is skewed, its upper tail lighter than a Gaussian's), and a₂ closed as one Gaussian
-at its exact mean and variance can be off by a factor of two or more. So, per component,
-E[link(a₂)] also splits z along a₂'s own direction: with z ~ N(M, C), g = μ_w ⊙ E[f'(z)]
+at its exact mean and variance can be off by a factor of two or more. So the components'
+Gaussians at z are collapsed to one per input (their mixture's mean and covariance), and
+E[link(a₂)] splits that z along a₂'s own direction: with z ~ N(M, C), g = μ_w ⊙ E[f'(z)]
 (a₂'s mean weights times the activation's mean slope, its statistical linearisation) and
 k = C g / √(gᵀ C g), z = M + t k + e with t ~ N(0, 1) and e ~ N(0, C − k kᵀ) (exactly: by
 Stein's lemma k is the direction along which z carries a₂'s linear part), t integrated by
 ``link_nodes`` Gauss–Hermite nodes, each node's Gaussian run through the last activation and
 the output layer by the full pass, a₂ closed given the node, E[link(a₂)] mixed over the nodes
 (:func:`link_split`). It changes only the noise term; ``link_nodes`` 0 closes a₂ as one
-Gaussian per component, as the plain full pass does.
+Gaussian per component, as the plain full pass does. The collapse is what it costs little
+for (one split per input, not per component), and where z is far from one Gaussian (a narrow
+network whose components spread apart) it is what misses.
 
 Cost: N times the rest of the network's full pass, taken over the components of a chunk of
 inputs at a time (:data:`CHUNK_ELEMENTS` of covariance entries), plus one eigendecomposition of
