@@ -261,9 +261,7 @@ def reuse(run_dir: Path, requested: dict[str, Any], overwrite: bool, skip_existi
     results_path = run_dir / "results.json"
     if not results_path.exists():
         return None
-    stored = stored_config(run_dir)
-    diff = (differences(stored, requested) if stored
-            else ["config.yaml is missing or unreadable"])
+    diff = stored_differences(run_dir, requested)
     replace, keep, elsewhere = flags
     if diff:
         raise ConfigMismatchError(
@@ -278,6 +276,14 @@ def reuse(run_dir: Path, requested: dict[str, Any], overwrite: bool, skip_existi
             f"{results_path} already exists for this configuration. Pass {replace} to replace "
             f"it, {keep} to keep it and move on, or {elsewhere}.")
     return None
+
+
+def stored_differences(run_dir: Path, requested: dict[str, Any]) -> list[str]:
+    """How the folder's stored config differs from ``requested`` (:func:`differences`); a
+    missing or unreadable config.yaml is a difference too."""
+    stored = stored_config(run_dir)
+    return (differences(stored, requested) if stored
+            else ["config.yaml is missing or unreadable"])
 
 
 def finished(run_dir: Path, unfinished: str = "") -> tuple[dict[str, Any], dict[str, Any]]:

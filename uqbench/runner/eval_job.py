@@ -25,7 +25,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from uqbench.configs import build
-from uqbench.identity import differences, scoring_options
+from uqbench.identity import scoring_options
 from uqbench.records.loggers import log_results, run_labels
 from uqbench.records.results import group_settings, write_stage
 from uqbench.records.runfolder import (
@@ -33,7 +33,7 @@ from uqbench.records.runfolder import (
     RunExistsError,
     RunFolder,
     finished,
-    stored_config,
+    stored_differences,
 )
 from uqbench.runner import checkpoints
 from uqbench.runner.engine import resolve_device
@@ -169,10 +169,7 @@ def _kept(cfg: DictConfig, out: Path, requested: dict[str, Any]) -> dict[str, An
     this is what keeps a stale scoring from passing for today's."""
     if not (out / "results.json").is_file() or cfg.overwrite:
         return None
-    stored = stored_config(out)
-    diff = (differences(stored, requested) if stored
-            else ["config.yaml is missing or unreadable"])
-    if diff:
+    if diff := stored_differences(out, requested):
         raise ConfigMismatchError(
             f"{out} holds a scoring of another configuration:\n  " + "\n  ".join(diff)
             + "\nskip_existing=true keeps only the same configuration's: pass overwrite=true "
