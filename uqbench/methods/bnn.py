@@ -69,7 +69,7 @@ from uqbench.methods.moments.layers import (
     full_pass,
 )
 from uqbench.methods.moments.links import LINKS, apply_link, expected_link
-from uqbench.methods.moments.mixture import LinkSplit, mix, mixture_moments
+from uqbench.methods.moments.mixture import LinkSplit, last_activation, mix, mixture_moments
 from uqbench.methods.moments.step import Plan, fusable, fused_plan, planned_moments_and_kl
 
 VARIANCES = ("embedded", "learned")
@@ -513,10 +513,8 @@ class BayesianMLP(Method):
         return _LinkGiven(at, list(self.net)[at:], self.out_dim, self.variance_link)
 
     def _last_activation(self) -> int | None:
-        """The index of the network's last activation (its input: the last hidden layer's
-        pre-activation), or None without a hidden activation."""
-        return next((i for i in reversed(range(len(self.net)))
-                     if not isinstance(self.net[i], GaussianLinear)), None)
+        """The index of the network's last activation, or None without a hidden activation."""
+        return last_activation(list(self.net))
 
     def _closure_tap(self) -> _Tap | None:
         """A tap at the last activation's input (the last hidden layer's pre-activation), or

@@ -150,12 +150,19 @@ def mixture_moments(layers: Sequence[MomentModule], x: torch.Tensor, modes: int,
             torch.cat(noises) if noises else None)
 
 
+def last_activation(layers: Sequence[MomentModule]) -> int | None:
+    """The index of the network's last activation (its input: the last hidden layer's
+    pre-activation), or None without a hidden activation."""
+    return next((i for i in reversed(range(len(layers)))
+                 if not isinstance(layers[i], GaussianLinear)), None)
+
+
 def _tail(layers: Sequence[MomentModule]) -> int:
     """The index of the last activation, which with the output layer after it makes the
     network's tail (the noise term's split needs exactly that: activation, Gaussian linear)."""
-    last = max(i for i, m in enumerate(layers) if not isinstance(m, GaussianLinear))
-    tail = layers[last:]
-    if len(tail) != 2 or not isinstance(tail[0], MomentLeakyReLU) \
+    last = last_activation(layers)
+    tail = list(layers) if last is None else layers[last:]
+    if last is None or len(tail) != 2 or not isinstance(tail[0], MomentLeakyReLU) \
             or not isinstance(tail[1], GaussianLinear):
         raise ValueError(f"the noise term's split needs the network to end in a Leaky-ReLU and "
                          f"a Gaussian linear layer; it ends in "
