@@ -663,15 +663,22 @@ class _LinkGiven:
         self.count = 0
 
     def add(self, a: torch.Tensor) -> None:
-        """Adds draws (S, B, d) of the tapped input to the sum."""
-        mean, var = a, torch.zeros_like(a)
+        """Adds draws (S, B, d) of the tapped input to the sum. At layer 0 the input is the
+        network's own, the same in every draw: its term is computed once and counted S times
+        (with one hidden layer, S times less work for the same sum)."""
+        draws = a.shape[0]
+        fixed = self.layer == 0
+        mean = a[:1] if fixed else a
+        var = torch.zeros_like(mean)
         for m in self.rest:
             mean, var = m(mean, var)
         d = self.out_dim
         part = expected_link(self.link, mean[..., d:].double(),
                              var[..., d:].double().clamp_min(0)).sum(0)
+        if fixed:
+            part = part * draws
         self.total = part if self.total is None else self.total + part
-        self.count += a.shape[0]
+        self.count += draws
 
     def mean(self) -> torch.Tensor:
         """E[link(a₂) | x] averaged over the draws (B, out)."""
