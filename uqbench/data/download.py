@@ -59,6 +59,9 @@ HF_SOURCES = {
     "sst2": (("nyu-mll/glue", "sst2"), {"train": 67349, "validation": 872, "test": 1821}),
     "arc_easy": (("allenai/ai2_arc", "ARC-Easy"), {"train": 2251, "validation": 570, "test": 2376}),
 }
+# vaderSentiment 3.3.2's source archive (PyPI's sdist; the wheel lacks the rated sentences)
+VADER_SDIST = "vaderSentiment-3.3.2.tar.gz"
+VADER_SHA256 = "5d7c06e027fc8b99238edb0d53d970cf97066ef97654009890b83703849632f9"
 ARCHIVES = (".tar", ".tar.gz", ".tgz", ".zip")
 ROOT_HELP = "the data root (default: $UQBENCH_DATA, else ./data)"
 
@@ -112,6 +115,31 @@ def _fetch_hf(name: str) -> Callable[[Path], None]:
     return fetch
 
 
+def sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fetch_vader(tmp: Path) -> None:
+    """vaderSentiment 3.3.2's source distribution through pip (the package index is the
+    publisher), checked against its sha256."""
+    import subprocess
+
+    folder = tmp / LAYOUTS["movie_sentences"].folder
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                    "--no-binary", ":all:", "--dest", str(folder), "vaderSentiment==3.3.2"],
+                   check=True)
+    got = sha256(folder / VADER_SDIST)
+    if got != VADER_SHA256:
+        raise RuntimeError(f"{VADER_SDIST}: sha256 {got} is not the published {VADER_SHA256}; "
+                           f"not installing it")
+
+
 FETCHERS: dict[str, Callable[[Path], None]] = {
     "cifar100": _fetch_torchvision("cifar100"),
     "cifar10": _fetch_torchvision("cifar10"),
@@ -121,6 +149,7 @@ FETCHERS: dict[str, Callable[[Path], None]] = {
     "oxford_pets": _fetch_torchvision("oxford_pets"),
     "sst2": _fetch_hf("sst2"),
     "arc_easy": _fetch_hf("arc_easy"),
+    "movie_sentences": _fetch_vader,
 }
 
 
@@ -151,8 +180,8 @@ def install(name: str, root: Path, fetch: Callable[[Path], None] | None = None,
     try:
         (fetch or FETCHERS[name])(tmp)
         staged = tmp / layout.folder
-        for archive in (p for p in staged.iterdir() if p.name.endswith(ARCHIVES)) \
-                if staged.is_dir() else ():
+        for archive in (p for p in staged.iterdir() if p.name.endswith(ARCHIVES)
+                        and p.name != VADER_SDIST) if staged.is_dir() else ():
             archive.unlink()  # torchvision leaves the archive inside some dataset folders
         problems = layout.problems(tmp)
         if problems:
@@ -193,6 +222,9 @@ def verify(name: str, root: Path) -> str:
         bad = [c for c in ALL_CORRUPTIONS + ("labels",)
                if not check_integrity(str(folder / f"{c}.npy"), CIFAR100_C_FILE_MD5[c])]
         return f"md5 mismatch: {', '.join(bad)}" if bad else "md5 ok (20 arrays)"
+    if name == "movie_sentences":
+        ok = sha256(folder / VADER_SDIST) == VADER_SHA256
+        return "sha256 ok" if ok else f"sha256 mismatch: {VADER_SDIST}"
     if name in HF_SOURCES:
         from uqbench.data.layout import hf_split_files
 

@@ -256,6 +256,12 @@ LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (
            "allenai/ai2_arc ARC-Easy saved with datasets' save_to_disk (or <split>-*.parquet "
            "files): splits train, validation, test; columns id, question, choices, answerKey",
            _check_hf, ("arc_easy",)),
+    Layout("movie_sentences", "Rated sentiment sentences (vaderSentiment 3.3.2 source)",
+           "movie_sentences",
+           "vaderSentiment 3.3.2's source archive vaderSentiment-3.3.2.tar.gz (pip download "
+           "--no-deps --no-binary :all: vaderSentiment==3.3.2), holding "
+           "additional_resources/hutto_ICWSM_2014.tar.gz",
+           _check_files(("vaderSentiment-3.3.2.tar.gz",)), ("movie_sentences",)),
 )}
 
 

@@ -110,6 +110,12 @@ class Method(nn.Module):
         """Name → parameter of everything the method trains, in registration order."""
         return dict(self.named_parameters())
 
+    def data_streams(self) -> int:
+        """Independently shuffled training batches each step reads (stacked stream-major, see
+        ``uqbench.contracts.stack_streams``); 1 (one shared batch) unless a method trains its
+        members on data orders of their own."""
+        return 1
+
     def member_parameters(self) -> MemberParameters:
         """The trained parameters by member; by default one model: all of them shared."""
         return MemberParameters(shared=list(self.trainable_parameters().values()))

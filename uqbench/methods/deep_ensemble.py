@@ -8,13 +8,17 @@ parameter counts report exactly that).
 What makes the members differ. M independent runs would differ by their head's random init,
 their own dropout masks and their own data order. Trained together, the members see the same
 mini-batches (each still draws its own dropout masks and, normally, its own random head), so
-the head init carries the diversity. Heads that start from a causal LM's answer rows (ARC-Easy
-as next-token scoring) are not random: there every member would be an exact copy of every
-other for the whole run. So those heads are perturbed per member as SVE perturbs the pretrained
-spectrum, W_m = rows ⊙ (1 + σ·ε_m), b_m = σ·N(0, I) with σ = ``sigma_init`` (0 = exact copies,
-only when asked for). Giving each member its own data order instead was not chosen: permuting
-the rows inside the shared batch leaves the mean loss and its gradient unchanged, and drawing a
-batch per member needs M data loaders and M times the data reading.
+the head init carries the diversity (``data_order: shared``, the default). With
+``data_order: independent`` every member draws its own data order as M independent runs would:
+the trainer reads M independently shuffled loaders (``data_streams()``), member m's copy is
+trained on stream m's batch (M·B rows, member-major) and the loss is the mean of the members'
+own cross-entropies; evaluation gives every member the same inputs. Heads that start from a
+causal LM's answer rows (ARC-Easy as next-token scoring) are not random: there every member
+would be an exact copy of every other for the whole run. So those heads are perturbed per
+member as SVE perturbs the pretrained spectrum, W_m = rows ⊙ (1 + σ·ε_m), b_m = σ·N(0, I)
+with σ = ``sigma_init`` (0 = exact copies, only when asked for). (Permuting the rows inside one
+shared batch would change nothing: the mean loss and its gradient are the same; independent
+order needs a batch per member.)
 
 ``vectorize: true`` runs the M fine-tuned copies as one vmapped call (torch.func:
 stack_module_state + functional_call + vmap) over stacked weights (M, …) instead of a Python
@@ -42,15 +46,18 @@ member's own best validation epoch instead of the ensemble's.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from uqbench.backbones.base import Backbone
-from uqbench.contracts import Batch, DataInfo
+from uqbench.backbones.base import Backbone, stem_parameters
+from uqbench.contracts import Batch, DataInfo, one_of, split_rows
 from uqbench.methods.base import MemberParameters
 from uqbench.methods.ensemble import EnsembleMethod, Inputs, check_members, check_sigma
+
+DataOrder = Literal["shared", "independent"]
 
 
 def _key(name: str) -> str:
@@ -86,11 +93,18 @@ class DeepEnsemble(EnsembleMethod):
 
     def __init__(self, backbone: Backbone, info: DataInfo, members: int = 4, finetune: bool = True,
                  vectorize: bool = False, sigma_init: float = 0.01, member: int | None = None,
-                 name: str = "deep_ensemble") -> None:
+                 data_order: DataOrder = "shared", name: str = "deep_ensemble") -> None:
         sigma_init = check_sigma(sigma_init)
+        self_data_order = one_of("method.data_order", data_order, DataOrder)
+        if self_data_order == "independent" and (member is not None or not finetune
+                                                 or vectorize):
+            raise ValueError("method.data_order=independent trains each fine-tuned encoder copy "
+                             "on its own batches in one job: it needs finetune=true, "
+                             "vectorize=false and member=null")
         member = check_member(member, members)  # before anything is built
         super().__init__(backbone, info, members, name, head_sigma=sigma_init)
         self.sigma_init = sigma_init
+        self.data_order = self_data_order
         self.finetune = bool(finetune)
         self.vectorize = bool(vectorize) and self.finetune
         self.member, self.ensemble_members = member, self.members
@@ -115,8 +129,19 @@ class DeepEnsemble(EnsembleMethod):
         head.sets = 1
         self.members = 1
 
+    def data_streams(self) -> int:
+        """Independently shuffled training batches per step: M with ``data_order:
+        independent`` (one per member), else 1."""
+        return self.members if self.data_order == "independent" else 1
+
     def loss(self, batch: Batch) -> torch.Tensor:
-        """(1/M) Σ_m CE(logits_m, y); a member job: its share, CE_k / M (module docstring)."""
+        """(1/M) Σ_m CE(logits_m, y); a member job: its share, CE_k / M (module docstring).
+        Independent data order: member m's logits against stream m's labels (y (M·B,))."""
+        if self.training and self.data_streams() > 1:
+            inputs, y = batch
+            logits = self(inputs)                                                # (M, B, C)
+            M, B, C = logits.shape
+            return F.cross_entropy(logits.reshape(M * B, C).float(), y)
         return super().loss(batch) / (self.ensemble_members if self.member is not None else 1)
 
     def _copy_encoder(self) -> None:
@@ -151,7 +176,9 @@ class DeepEnsemble(EnsembleMethod):
             layout.stacked += list(self.de_params.values())
             layout.shared = []
         elif self.finetune:
-            layout.owned = [list(enc.parameters()) for enc in self.de_encoders]
+            stem = {id(p) for p in stem_parameters(self)}  # a frozen stem is no member's
+            layout.owned = [[p for p in enc.parameters() if id(p) not in stem]
+                            for enc in self.de_encoders]
             layout.shared = []
         return layout
 
@@ -176,6 +203,9 @@ class DeepEnsemble(EnsembleMethod):
             return f.repeat(self.members, 1)
         if self.vectorize:
             return self._stacked_features(inputs)
+        if self.training and self.data_streams() > 1:  # stream m's rows are member m's batch
+            chunks = split_rows(inputs, self.members)
+            return torch.cat([enc(x) for enc, x in zip(self.de_encoders, chunks, strict=True)])
         return torch.cat([enc(inputs) for enc in self.de_encoders])              # (M·B, D)
 
     def settings(self) -> dict[str, Any]:
@@ -183,6 +213,7 @@ class DeepEnsemble(EnsembleMethod):
         return super().settings() | {
             "members": self.ensemble_members, "member": self.member,
             "finetune": self.finetune, "vectorize": self.vectorize, "sigma_init": self.sigma_init,
+            "data_order": self.data_order,
             "targets": "full backbone" if self.finetune else "heads only"}
 
     @classmethod

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from uqbench.backbones.base import Backbone
+from uqbench.backbones.base import Backbone, stem_modules, stem_parameters
 from uqbench.contracts import Batch, DataInfo
 from uqbench.methods.base import MemberParameters, Method
 from uqbench.methods.heads import EnsembleHead, HeadInit, answer_rows, check_head_init
@@ -132,7 +132,8 @@ class EnsembleMethod(Method):
         declared += [p for m in self.modules() if isinstance(m, MemberLinear)
                      for p in m.adapters()]
         declared += [p for module in self.fine_tuned() for p in module.parameters()]
-        ids = {id(p) for p in declared}
+        stem = {id(p) for p in stem_parameters(self)}  # a backbone's frozen stem never trains
+        ids = {id(p) for p in declared} - stem
         return {n: p for n, p in self.named_parameters() if id(p) in ids}
 
     def member_parameters(self) -> MemberParameters:
@@ -143,11 +144,21 @@ class EnsembleMethod(Method):
             return super().member_parameters()
         stacked = list(self.head.parameters())
         stacked += [p for m in self.modules() if isinstance(m, MemberLinear) for p in m.adapters()]
-        shared = [p for module in self.fine_tuned() for p in module.parameters()]
+        stem = {id(p) for p in stem_parameters(self)}
+        shared = [p for module in self.fine_tuned() for p in module.parameters()
+                  if id(p) not in stem]
         return MemberParameters(self.members, stacked=stacked, shared=shared)
 
     def train_declared(self) -> None:
-        """requires_grad on exactly the declared parameters; everything else is frozen."""
+        """requires_grad on exactly the declared parameters; everything else is frozen. A
+        member-aware layer inside the backbone's frozen stem is refused: it would never train."""
+        inside = [n for n, m in stem_modules(self) if isinstance(m, MemberLinear)]
+        if inside:
+            raise ValueError(
+                f"method '{self.name}' adapts {inside[:3]}{' …' if len(inside) > 3 else ''} "
+                f"inside backbone '{self.backbone_name}''s frozen stem (backbone.frozen_blocks), "
+                f"which never trains; target the blocks above it (method.targets: null or "
+                f"attention takes the backbone's own targets)")
         self.requires_grad_(False)
         for p in self.trainable_parameters().values():
             p.requires_grad_(True)

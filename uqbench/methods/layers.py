@@ -30,7 +30,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
-from uqbench.backbones.base import Backbone
+from uqbench.backbones.base import Backbone, stem_modules
 from uqbench.configs import options_with
 
 Inputs = torch.Tensor | dict[str, torch.Tensor]
@@ -164,9 +164,11 @@ def replace_linears(model: nn.Module, suffixes: Sequence[str],
     """Wrap every ``nn.Linear`` whose name ends with one of ``suffixes``; return their names.
 
     Raises if a suffix matches no linear layer (a typo, or the wrong backbone), naming the
-    suffixes and the linear layers that exist.
+    suffixes and the linear layers that exist. Layers inside a backbone's frozen stem
+    (``frozen_stem`` modules, ``backbone.frozen_blocks``) are left out: nothing adapts there.
     """
-    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    stem = {n for n, _ in stem_modules(model)}  # a backbone's frozen stem is never a target
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in stem]
     unmatched = [s for s in suffixes if not any(matches(n, s) for n in linears)]
     if unmatched:
         existing = linears or [n for n, _ in model.named_modules() if n][:12]

@@ -38,8 +38,10 @@ class Splits:
     def predicted(self) -> list[str]:
         """Every split predicted, in a fixed order (eval, OOD, val) so that stochastic methods
         draw the same random numbers as before the validation pass existed (a run that scores
-        fewer splits draws its validation predictions from another point of the stream)."""
-        return [*self.eval, *self.ood, *(["val"] if self.val else [])]
+        fewer splits draws its validation predictions from another point of the stream). A
+        split that is both scored and detected as OOD (a shifted test set with labels) is
+        predicted once."""
+        return list(dict.fromkeys([*self.eval, *self.ood, *(["val"] if self.val else [])]))
 
     @property
     def cost_split(self) -> str:

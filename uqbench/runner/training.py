@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 import torch
 from tqdm.auto import tqdm
 
-from uqbench.contracts import Shard, to_device
+from uqbench.contracts import Shard, stack_streams, to_device
 from uqbench.records.loggers import Logger
 from uqbench.runner import engine
 from uqbench.runner.checkpoints import rng_state, set_rng_state
@@ -391,8 +391,17 @@ class _Loop:
                 on_skip = partial(set_rng_state, self.resumed_rng)
         else:
             self.epoch_rng, self.skip, self.running, self.n = rng_state(), 0, 0.0, 0
-        return iter(self.data.loader("train", train=True, shard=self.shard, skip=self.skip,
-                                     on_skip=on_skip))
+        streams = self.method.data_streams()
+        if streams == 1:
+            return iter(self.data.loader("train", train=True, shard=self.shard, skip=self.skip,
+                                         on_skip=on_skip))
+        # one independently shuffled loader per stream (a Deep Ensemble member's own data
+        # order), drawn in stream order from the epoch's random state; a step's batch stacks
+        # theirs, stream-major
+        loaders = [iter(self.data.loader("train", train=True, shard=self.shard, skip=self.skip,
+                                         on_skip=on_skip if k == streams - 1 else None))
+                   for k in range(streams)]
+        return map(lambda *batches: stack_streams(list(batches)), *loaders)
 
     def _end_epoch(self, epoch: int) -> dict[str, float]:
         """The epoch's mean loss over every process, validation where due, logged by rank 0."""
