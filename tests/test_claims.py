@@ -251,11 +251,12 @@ def test_uqbench_tables_writes_the_claims_table_and_the_grid(tmp_path, capsys):
     tables_main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "t")])
     md = (tmp_path / "t" / "p2x_claims.md").read_text()
     cells = _cells(md)
-    assert ("claim", "measurement", "mean", "interval", "margin", "seeds", "verdict") in cells
+    assert ("claim", "measurement", "mean", "interval", "margin", "seeds", "failed",
+            "verdict") in cells
     assert ("embedded fits better at width 4", "NLL diff", "0.100", "[0.016, 0.184]", "> 0.000",
-            "3", "holds") in cells
+            "3", "", "holds") in cells
     assert ("about a third more parameters", "", "+38.5%", "–", "in [+30.0%, +40.0%]", "3",
-            "holds") in cells
+            "", "holds") in cells
     assert "two-sided 90% Student-t confidence interval" in md
     frame = pd.read_csv(tmp_path / "t" / "p2x_claims.csv")
     assert list(frame["verdict"]) == ["holds", "holds"]
@@ -268,7 +269,7 @@ def test_uqbench_tables_writes_the_claims_table_and_the_grid(tmp_path, capsys):
     md = (tmp_path / "t99" / "p2x_claims.md").read_text()
     _, lo, hi = hand_interval([0.05, 0.15, 0.10], 0.99)
     assert ("embedded fits better at width 4", "NLL diff", "0.100", f"[{lo:.3f}, {hi:.3f}]",
-            "> 0.000", "3", "unclear") in _cells(md)
+            "> 0.000", "3", "", "unclear") in _cells(md)
     assert "two-sided 99% Student-t" in md
 
     # by setup: the second setup flips the first claim; a third has one seed
@@ -431,3 +432,93 @@ def test_a_bar_in_a_cell_or_header_cannot_split_a_markdown_row():
     assert [len(line.replace("\\|", "")) - len(line.replace("\\|", "").replace("|", ""))
             for line in lines] == [5, 5, 5]
     assert "mean \\|σ − true σ\\| / mean σ" in lines[2] and "measure \\|m\\|" in lines[0]
+
+
+# --- failures and multiplicity ------------------------------------------------------------
+
+def test_holm_adjusts_by_hand():
+    # sorted 0.005·4 = 0.02, 0.01·3 = 0.03, 0.03·2 = 0.06, 0.04·1 = 0.04 → step-down max 0.06
+    adjusted = C.holm([0.01, 0.04, 0.03, 0.005, math.nan])
+    assert adjusted[:4] == pytest.approx([0.03, 0.06, 0.06, 0.02]) and math.isnan(adjusted[4])
+
+
+@pytest.mark.parametrize("kind, margin", [("greater", 0.0), ("greater", 0.05),
+                                          ("not_worse", 0.05)])
+def test_the_p_values_are_scipys_one_sided_t_tests_and_agree_with_the_interval(kind, margin):
+    """p_hold is scipy's one-sample t-test of d against the bound (alternative='greater'),
+    p_fail its opposite; uncorrected, p_hold < 5 % exactly where the 90 % interval clears the
+    bound and p_fail <= 5 % exactly where it lies wholly short of it (200 random draws)."""
+    rng = __import__("numpy").random.default_rng(0)
+    bound = margin if kind == "greater" else -margin
+    for _ in range(200):
+        d = rng.normal(rng.uniform(-0.2, 0.2), rng.uniform(0.01, 0.2), size=5)
+        p_hold, p_fail = C.p_values(d, kind, margin)
+        assert p_hold == pytest.approx(stats.ttest_1samp(d - bound, 0.0,
+                                                         alternative="greater").pvalue)
+        assert p_fail == pytest.approx(stats.ttest_1samp(d - bound, 0.0,
+                                                         alternative="less").pvalue)
+        _, lo, hi = hand_interval(list(d))
+        assert (p_hold < 0.05) == (lo > bound) and (p_fail <= 0.05) == (hi <= bound)
+
+
+def three_claims(multiplicity: str) -> dict:
+    """Three claims on three widths, of which width 4's clears its bound uncorrected
+    (p_hold ≈ 0.03) but not after Holm's correction over the three."""
+    c = [claim("greater", a={"width": w, "variance": "learned"},
+               b={"width": w, "variance": "embedded"}) | {"claim": f"w{w}", "short": f"w{w}"}
+         for w in (4, 16, 64)]
+    return {"title": "P2x", "rows": ROWS, "columns": [{"key": "metrics.test/nll",
+                                                       "title": "NLL"}],
+            "claims": c, "multiplicity": multiplicity}
+
+
+def family_runs() -> list[dict]:
+    return paired([0.10, 0.25, 0.0, 0.2, 0.05], 4) + paired([-0.1, 0.1, 0.0, 0.05, -0.05], 16) \
+        + paired([0.0, 0.01, -0.02, 0.03, -0.01], 64)
+
+
+def test_holm_turns_a_cell_that_clears_its_bound_alone_into_unclear():
+    d = [0.10, 0.25, 0.0, 0.2, 0.05]
+    p = stats.ttest_1samp(d, 0.0, alternative="greater").pvalue
+    assert 0.05 / 3 < p < 0.05  # clears α = 5 % alone, not α / 3
+    alone = C.claims_table(family_runs(), three_claims("none"))
+    fixed = C.claims_table(family_runs(), three_claims("holm"))
+    assert alone["verdict"].tolist()[0] == C.HOLDS and fixed["verdict"].tolist()[0] == C.UNCLEAR
+    assert float(fixed["p (Holm)"][0]) == pytest.approx(3 * p, abs=5e-4)  # smallest of three
+    assert "Holm-corrected" in C.legend(three_claims("holm"))
+    assert "uncorrected" in C.legend(three_claims("none"))
+    with pytest.raises(C.InvalidClaims, match="multiplicity 'bonferoni'"):
+        C.claims_table(family_runs(), three_claims("bonferoni"))
+
+
+def test_a_nan_seed_counts_against_its_method_and_is_named():
+    """Width 4's learned model (the claim's a) diverges in seed 1: the claim does not hold,
+    however good the other seeds; the embedded model (b) failing leaves its seed out."""
+    spec = three_claims("holm")
+    runs = paired([0.3, 0.3, 0.31, 0.29, 0.3], 4) + paired([0.3, 0.3, 0.31, 0.29, 0.3], 16)
+    runs += paired([0.3, 0.3, 0.31, 0.29, 0.3], 64)
+    for r in runs:
+        if r["seed"] == 1 and r["settings"]["backbone"]["width"] == 4 \
+                and r["settings"]["method"]["variance"] == "learned":
+            r["metrics"]["test/nll"] = float("nan")
+        if r["seed"] == 3 and r["settings"]["backbone"]["width"] == 16 \
+                and r["settings"]["method"]["variance"] == "embedded":
+            r["metrics"]["test/nll"] = float("inf")
+    table = C.claims_table(runs, spec)
+    assert table["verdict"].tolist() == [C.FAILS, C.HOLDS, C.HOLDS]
+    assert table["failed"].tolist() == ["a failed 1", "b failed 1", ""]
+    assert table["seeds"].tolist() == [4, 4, 5]
+    grid = C.claims_grid([r | {"variant": "x"} for r in runs], spec | {"claims_by": "variant"})
+    assert grid["w4"][0].startswith("✗") and grid["w4"][0].endswith("(a failed 1)")
+
+
+def test_the_table_counts_a_methods_failed_runs():
+    from uqbench.report.building import build_table
+
+    runs = paired([0.1, 0.2, 0.3])
+    runs[4]["metrics"]["test/nll"] = float("nan")  # learned, seed 1
+    spec = {"rows": ROWS, "columns": [{"key": "metrics.test/nll", "title": "NLL"}],
+            "failed_key": "metrics.test/nll"}
+    shown, numeric = build_table(runs, spec)
+    assert shown["failed"].tolist() == [0, 1] and shown["seeds"].tolist() == [3, 3]
+    assert numeric["NLL mean"][1] == pytest.approx((0.6 + 1.0) / 2, abs=1e-9)  # seeds 0, 2

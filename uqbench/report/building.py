@@ -139,7 +139,9 @@ def build_table(runs: list[Run], spec: dict[str, Any]) -> tuple[pd.DataFrame, pd
     """(display table with formatted cells, numeric table with mean/std columns): one row per
     setting (the row keys' values, sorted: numbers first, in order), each column's mean, sample
     std (ddof=1) and count over the setting's runs, and ``seeds``, its distinct seeds. A setting
-    whose runs used an edge choice shows :data:`EDGE_MARK` after its last row key."""
+    whose runs used an edge choice shows :data:`EDGE_MARK` after its last row key. With
+    ``failed_key``, a ``failed`` column counts the setting's runs without a finite value there
+    (a diverged or NaN run is a failure of its method, not a seed left out unnoticed)."""
     rows, cols = spec["rows"], spec["columns"]
     settings = [setting_of(run, spec) for run in runs]
     order = sorted(set(settings), key=lambda s: tuple(sort_key(v) for v in s))
@@ -177,6 +179,13 @@ def build_table(runs: list[Run], spec: dict[str, Any]) -> tuple[pd.DataFrame, pd
                                          for v in values]
             numeric[f"{title} (paper)"] = pd.Series(values, dtype=float)
     shown["seeds"] = numeric["seeds"] = stats["seeds"].to_numpy()
+    if spec.get("failed_key"):  # runs without a finite value there: failures, not dropped
+        value = pd.to_numeric(pd.Series([get_path(run, spec["failed_key"]) for run in runs],
+                                        dtype=object), errors="coerce")
+        failed = (~np.isfinite(value.to_numpy(dtype=float))).astype(int)
+        counts = pd.Series(failed).groupby(frame["setting"]).sum()
+        shown["failed"] = numeric["failed"] = counts.reindex(range(len(order)),
+                                                             fill_value=0).to_numpy()
     return shown, numeric
 
 

@@ -40,6 +40,20 @@ default 0.90) decide:
 
 One seed is **unclear** ("one seed: no interval"); no paired seed is **not measured**.
 
+Failed runs count against their method. A run that a side selects but whose value is not a
+finite number (a diverged or NaN run, a failed run record) is a failure of that side's method
+on that seed, never dropped silently: a failure of ``a`` (the method the claim is about) makes
+the claim **not hold**; a failure of ``b`` leaves its seed out of the pairing; either way the
+verdict names the failures (``failed`` in the claims table, "a failed k" in a grid cell).
+
+Multiplicity. ``multiplicity: holm`` (spec level) corrects the family of every claim the table
+judges (every cell of a grid), ``ratio`` claims aside (a count, no test): each verdict is read
+from one-sided p-values, p_hold for "the whole interval lies beyond the bound" and p_fail for
+"it lies wholly on the other side" (t-tests of d at the bound, the same tests the interval
+makes at α = (1 − confidence)/2), each family Holm-adjusted (step-down) before it is compared
+with α; the table shows the adjusted p-value of the verdict. ``multiplicity: none`` (the
+default) is the interval rule alone, uncorrected, and the legend says so.
+
 Margins are stated in the spec, fixed before the runs, in the key's units (``margin``) or as a
 fraction of |mean of b| over the paired seeds (``relative_margin``, for a relative tolerance);
 ``not_worse`` and ``alike`` need one of them, and a spec without is refused (InvalidClaims
@@ -73,6 +87,7 @@ ONE_SIDED = ("below", "above")          # a against the number ``than``
 PAIRED = ("greater", "not_worse", "alike")  # a against b, seed by seed
 NEEDS_MARGIN = ("not_worse", "alike")
 CONFIDENCE = 0.90
+MULTIPLICITY = ("none", "holm")
 BETTER = ("higher", "lower")
 HOLDS, FAILS, UNCLEAR, MISSING = "holds", "does not hold", "unclear", "not measured"
 MARKS = {HOLDS: "✓", FAILS: "✗", UNCLEAR: "~", MISSING: "–"}
@@ -199,29 +214,34 @@ def _check_margin(c: dict, where: str) -> None:
 def _value(run: Run, key: str | list[str]) -> float | None:
     keys = key if isinstance(key, list) else [key]
     values = [get_path(run, k) for k in keys]
-    if any(not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v)
+    if any(not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)
            for v in values):
         return None
     return float(values[0] - values[1]) if len(values) == 2 else float(values[0])
 
 
-def _per_seed(claim: dict, side: str, runs: list[Run], rows: list[dict]) -> dict[int, float]:
-    """{seed: value} of the runs whose row values match the claim's ``side`` (matched as
-    strings); InvalidClaims when two runs of one seed match (the selection leaves a row open)."""
+def _per_seed(claim: dict, side: str, runs: list[Run], rows: list[dict]
+              ) -> tuple[dict[int, float], set[int]]:
+    """({seed: value}, failed seeds) of the runs whose row values match the claim's ``side``
+    (matched as strings): a matched run without a finite value is a failure of its seed.
+    InvalidClaims when two runs of one seed match (the selection leaves a row open)."""
     by_title = {r["title"]: r["key"] for r in rows}
     sel = claim[side]
     out: dict[int, float] = {}
+    failed: set[int] = set()
     for run in runs:
         if all(str(get_path(run, by_title[t])) == str(v) for t, v in sel.items()):
-            value = _value(run, claim["key"])
-            if value is None:
-                continue
-            if int(run["seed"]) in out:
+            seed = int(run["seed"])
+            if seed in out or seed in failed:
                 raise InvalidClaims(
                     f"claim {claim['claim']!r}: {side} {sel} matches more than one run of seed "
                     f"{run['seed']}; name the row that tells them apart, or set claims_by")
-            out[int(run["seed"])] = value
-    return out
+            value = _value(run, claim["key"])
+            if value is None or not math.isfinite(value) or run.get("status") == "failed":
+                failed.add(seed)
+            else:
+                out[seed] = value
+    return out, failed
 
 
 def mean_interval(d: np.ndarray, confidence: float) -> tuple[float, float, float]:
@@ -245,20 +265,23 @@ def evaluate(claim: dict, runs: list[Run], rows: list[dict],
                            "mean": math.nan, "lo": math.nan, "hi": math.nan, "seeds": 0,
                            "value": "–", "interval": "–", "margin": bound_text(claim),
                            "verdict": MISSING}
-    a = _per_seed(claim, "a", runs, rows)
+    a, a_failed = _per_seed(claim, "a", runs, rows)
+    out |= {"failed": "", "a_failed": len(a_failed), "b_failed": 0, "p_hold": math.nan,
+            "p_fail": math.nan}
     if kind == "ratio":
-        b = _per_seed(claim, "b", runs, rows)
+        b, _ = _per_seed(claim, "b", runs, rows)
         if a and b:
             r = float(np.mean(list(a.values())) / np.mean(list(b.values())) - 1)
             lo, hi = claim["range"]
             out |= {"value": f"{r:+.1%}", "mean": r, "seeds": min(len(a), len(b)),
                     "verdict": HOLDS if lo <= r <= hi else FAILS}
         return out
+    b_failed: set[int] = set()
     if kind in ONE_SIDED:
         seeds = sorted(a)
         shown = np.array([a[s] for s in seeds])  # the value itself; d = ±(value − than)
     else:
-        b = _per_seed(claim, "b", runs, rows)
+        b, b_failed = _per_seed(claim, "b", runs, rows)
         seeds = sorted(set(a) & set(b))
         sign = -1.0 if claim.get("better", "higher") == "lower" else 1.0
         shown = np.array([sign * (a[s] - b[s]) for s in seeds])  # d > 0 agrees with the claim
@@ -266,11 +289,13 @@ def evaluate(claim: dict, runs: list[Run], rows: list[dict],
         if "relative_margin" in claim and seeds:
             m = claim["relative_margin"] * abs(float(np.mean([b[s] for s in seeds])))
             out["margin"] = bound_text(claim, m)
+    out |= {"a_failed": len(a_failed), "b_failed": len(b_failed),
+            "failed": failure_text(len(a_failed), len(b_failed))}
     if not seeds:
-        return out
+        return out | ({"verdict": FAILS} if a_failed else {})
     out |= {"seeds": len(seeds), "mean": float(shown.mean()), "value": format(shown.mean(), fmt)}
     if len(seeds) == 1:
-        return out | {"interval": ONE_SEED, "verdict": UNCLEAR}
+        return out | {"interval": ONE_SEED, "verdict": FAILS if a_failed else UNCLEAR}
     mean, lo, hi = mean_interval(shown, confidence)
     if kind == "above":
         verdict = _one_bound(lo, hi, float(claim["than"]))
@@ -283,8 +308,86 @@ def evaluate(claim: dict, runs: list[Run], rows: list[dict],
     else:  # alike: inside (−m, m) holds, wholly outside does not, straddling a bound is unclear
         verdict = (HOLDS if -m < lo and hi < m else FAILS if lo >= m or hi <= -m
                    else UNCLEAR)
-    return out | {"lo": lo, "hi": hi, "verdict": verdict,
+    p_hold, p_fail = p_values(shown, kind, m if kind in PAIRED else float(claim["than"]))
+    return out | {"lo": lo, "hi": hi, "verdict": FAILS if a_failed else verdict,
+                  "p_hold": p_hold, "p_fail": p_fail,
                   "interval": f"[{format(lo, fmt)}, {format(hi, fmt)}]"}
+
+
+def failure_text(a_failed: int, b_failed: int) -> str:
+    """"a failed 1, b failed 2" (the seeds each side's method failed on), or ""."""
+    return ", ".join(f"{side} failed {k}" for side, k in (("a", a_failed), ("b", b_failed)) if k)
+
+
+def _t_p(stat: float, df: int) -> float:
+    """One-sided p-value P(T ≥ stat) of Student's t with ``df`` degrees of freedom."""
+    return float(stats.t.sf(stat, df))
+
+
+def p_values(d: np.ndarray, kind: str, bound: float) -> tuple[float, float]:
+    """(p_hold, p_fail): the one-sided t-tests of the mean of ``d`` (n ≥ 2) that the interval
+    rule makes at its bound (greater: m; not_worse: −m; alike: ±m; below/above: ``than``, d
+    the values). p_hold small: the whole interval lies beyond the bound; p_fail small: wholly
+    on the other side. A spread of 0 gives 0 or 1."""
+    n, mean = len(d), float(d.mean())
+    se = float(d.std(ddof=1)) / math.sqrt(n)
+
+    def beyond(x: float) -> float:  # P-value of "mean > x"
+        if se == 0:
+            return 0.0 if mean > x else 1.0
+        return _t_p((mean - x) / se, n - 1)
+
+    def short_of(x: float) -> float:  # P-value of "mean < x"
+        if se == 0:
+            return 0.0 if mean < x else 1.0
+        return _t_p((x - mean) / se, n - 1)
+
+    if kind == "greater":
+        return beyond(bound), short_of(bound)
+    if kind == "not_worse":
+        return beyond(-bound), short_of(-bound)
+    if kind == "above":
+        return beyond(bound), short_of(bound)
+    if kind == "below":
+        return short_of(bound), beyond(bound)
+    # alike: inside (−m, m) needs both one-sided tests (TOST); outside, one of the two
+    return max(beyond(-bound), short_of(bound)), min(beyond(bound), short_of(-bound))
+
+
+def holm(p: list[float]) -> list[float]:
+    """Holm's step-down adjusted p-values (NaN entries left out of the family, kept NaN)."""
+    idx = [i for i, v in enumerate(p) if not math.isnan(v)]
+    order = sorted(idx, key=lambda i: p[i])
+    k, out, running = len(order), [math.nan] * len(p), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (k - rank) * p[i]))
+        out[i] = running
+    return out
+
+
+def check_multiplicity(spec: dict[str, Any]) -> str:
+    value = spec.get("multiplicity", "none")
+    if value not in MULTIPLICITY:
+        raise InvalidClaims(f"table.multiplicity {value!r} is not one of {MULTIPLICITY}")
+    return str(value)
+
+
+def corrected(results: list[dict[str, Any]], spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The family's verdicts under ``multiplicity`` (module docstring): with holm, each claim
+    with p-values is judged on the Holm-adjusted p_hold and p_fail at α = (1 − c)/2, and
+    carries ``p`` (the adjusted p-value of its verdict); failures of ``a`` still do not hold."""
+    if check_multiplicity(spec) == "none":
+        return results
+    alpha = (1 - spec_confidence(spec)) / 2
+    hold = holm([r.get("p_hold", math.nan) for r in results])
+    fail = holm([r.get("p_fail", math.nan) for r in results])
+    out = []
+    for r, ph, pf in zip(results, hold, fail, strict=True):
+        if not math.isnan(ph) and not r.get("a_failed"):
+            verdict = HOLDS if ph < alpha else FAILS if pf <= alpha else UNCLEAR
+            r = r | {"verdict": verdict, "p": pf if verdict == FAILS else ph}
+        out.append(r)
+    return out
 
 
 def bound_text(claim: dict, m: float | None = None) -> str:
@@ -313,10 +416,15 @@ def claims_table(runs: list[Run], spec: dict[str, Any]) -> pd.DataFrame:
     """One row per claim: claim, measurement, mean, interval, margin, seeds, verdict."""
     confidence = spec_confidence(spec)
     check_claims(spec["claims"], [r["title"] for r in spec["rows"]], confidence)
-    results = [evaluate(c, runs, spec["rows"], confidence) for c in spec["claims"]]
+    results = corrected([evaluate(c, runs, spec["rows"], confidence) for c in spec["claims"]],
+                        spec)
+    holm_on = check_multiplicity(spec) == "holm"
     return pd.DataFrame([{"claim": r["claim"], "measurement": r["measure"],
                           "mean": r["value"], "interval": r["interval"],
-                          "margin": r["margin"], "seeds": r["seeds"], "verdict": r["verdict"]}
+                          "margin": r["margin"], "seeds": r["seeds"],
+                          **({"p (Holm)": "–" if math.isnan(r.get("p", math.nan))
+                              else f"{r['p']:.3f}"} if holm_on else {}),
+                          "failed": r.get("failed", ""), "verdict": r["verdict"]}
                          for r in results])
 
 
@@ -324,10 +432,11 @@ def _cell(res: dict[str, Any]) -> str:
     """A grid cell: the verdict's mark, the mean and the interval."""
     if res["verdict"] == MISSING:
         return MARKS[MISSING]
+    failed = f" ({res['failed']})" if res.get("failed") else ""
     if res["interval"] == ONE_SEED:
-        return f"{MARKS[UNCLEAR]} {res['value']} (one seed)"
+        return f"{MARKS[res['verdict']]} {res['value']} (one seed){failed}"
     tail = "" if res["interval"] == "–" else f" {res['interval']}"
-    return f"{MARKS[res['verdict']]} {res['value']}{tail}"
+    return f"{MARKS[res['verdict']]} {res['value']}{tail}{failed}"
 
 
 def _short(claim: dict, i: int) -> str:
@@ -340,14 +449,32 @@ def claims_grid(runs: list[Run], spec: dict[str, Any]) -> pd.DataFrame:
     confidence = spec_confidence(spec)
     check_claims(spec["claims"], [r["title"] for r in spec["rows"]], confidence)
     by = spec["claims_by"]
-    table = []
     values = {str(get_path(r, by)): get_path(r, by) for r in runs}  # a setup's runs: by text
-    for setup in sorted(values, key=lambda text: sort_key(values[text])):
-        sub = [r for r in runs if str(get_path(r, by)) == setup]
-        table.append({by.split(".")[-1]: setup}
-                     | {_short(c, i): _cell(evaluate(c, sub, spec["rows"], confidence))
-                        for i, c in enumerate(spec["claims"], 1)})
-    return pd.DataFrame(table)
+    setups = sorted(values, key=lambda text: sort_key(values[text]))
+    cells = [(setup, i, c, evaluate(c, [r for r in runs if str(get_path(r, by)) == setup],
+                                    spec["rows"], confidence))
+             for setup in setups for i, c in enumerate(spec["claims"], 1)]
+    judged = corrected([res for *_, res in cells], spec)  # the family: every cell
+    table: dict[str, dict[str, str]] = {s: {by.split(".")[-1]: s} for s in setups}
+    for (setup, i, c, _), res in zip(cells, judged, strict=True):
+        table[setup][_short(c, i)] = _cell(res)
+    return pd.DataFrame(list(table.values()))
+
+
+def multiplicity_sentence(spec: dict[str, Any]) -> str:
+    """The family the claims table judges and how its multiplicity is handled, in words."""
+    c = spec_confidence(spec)
+    family = sum(cl["kind"] != "ratio" for cl in spec["claims"])
+    if check_multiplicity(spec) == "holm":
+        where = (f"{family} claims in every setup, all the grid's cells together"
+                 if spec.get("claims_by") else f"{family} claims")
+        return (f"Multiplicity: the family is every claim judged here ({where}; ratio "
+                f"claims aside, which test nothing); each verdict is Holm-corrected "
+                f"(step-down) at α = {(1 - c) / 2:.0%} one-sided, for 'holds' and for 'does "
+                f"not hold' alike, so a cell whose {c:.0%} interval clears its bound can "
+                f"still read unclear.")
+    return ("Multiplicity: uncorrected; each verdict is read on its own, so some of the "
+            "family's verdicts are expected to be wrong by chance.")
 
 
 def legend(spec: dict[str, Any]) -> str:
@@ -363,6 +490,14 @@ def legend(spec: dict[str, Any]) -> str:
             f"interval); not measured: no paired seed. Margins are the spec's, in the "
             f"measurement's units or a stated fraction of |mean b|. ratio: mean a / mean b − 1 "
             f"of a count the seed does not change (no interval), holds inside its range.")
+    rule += " " + multiplicity_sentence(spec)
+    if spec.get("preregistered"):
+        rule += (f" Pre-registered: the claims, margins, confidence, multiplicity rule, seeds, "
+                 f"splits and selection grid were committed in {spec['preregistered']}, before "
+                 f"any run scored a test split.")
+    rule += (" A run without a finite value is a failure of its method on that seed: a "
+             "failure of a (the claim's method) makes the claim not hold, one of b leaves "
+             "its seed out; both are named.")
     if not spec.get("claims_by"):
         return rule
     key = "".join(f"\n- **{_short(cl, i)}**: {cl['claim']}. {cl.get('measure', '')}; margin: "

@@ -60,7 +60,12 @@ import pandas as pd
 
 from uqbench.errors import user_errors
 from uqbench.report.building import build_table, edge_note, missing_keys
-from uqbench.report.claims import InvalidClaims, markdown_table, write_claims
+from uqbench.report.claims import (
+    InvalidClaims,
+    markdown_table,
+    multiplicity_sentence,
+    write_claims,
+)
 from uqbench.report.figures import summary_figure
 from uqbench.report.latex import to_latex
 from uqbench.report.layout import layout
@@ -151,18 +156,39 @@ def _write_files(exp: str, spec: dict[str, Any], runs: list[Run], shown: pd.Data
     files = [f"{exp}.md", f"{exp}.tex", f"{exp}.csv"]
     for suffix, figure in figure_specs(spec).items():
         files.append(summary_figure(runs, figure, out_dir / f"{exp}{suffix}.png", title).name)
+    for name, sub in (spec.get("subtables") or {}).items():
+        files += _write_subtable(exp, name, spec | sub, runs, out_dir)
     claims: list[str] = []
     if spec.get("claims"):
         try:
             claims = [p.name for p in write_claims(runs, spec, out_dir, exp)]
         except InvalidClaims as err:  # e.g. a claim's side that several runs of a seed match
             print(f"warning: {exp}: no claims table: {err}", file=sys.stderr)
+        if claims and spec.get("claims_tex"):
+            frame = pd.read_csv(out_dir / f"{exp}_claims.csv", dtype=str, keep_default_na=False)
+            caption = f"{title}: claims. {multiplicity_sentence(spec)}"
+            (out_dir / f"{exp}_claims.tex").write_text(
+                to_latex(frame, caption, f"tab:{exp}_claims", 1))
+            claims.append(f"{exp}_claims.tex")
     if not claims:  # a claims file left from an older spec would pass for this one's
         for stale in out_dir.glob(f"{exp}_claims.*"):
             stale.unlink()
     levels = ([p.name for p in write_levels(runs, spec, out_dir, exp)] if spec.get("levels")
               else [])
     return files + claims + levels
+
+
+def _write_subtable(exp: str, name: str, spec: dict[str, Any], runs: list[Run],
+                    out_dir: Path) -> list[str]:
+    """``subtables: {name: {title, columns[, rows]}}``: another table of the same runs (rows
+    and the rest of the spec inherited unless given) → ``<exp>_<name>.md/.tex/.csv``."""
+    shown, numeric = build_table(runs, spec)
+    title, stem = spec.get("title", f"{exp} {name}"), f"{exp}_{name}"
+    (out_dir / f"{stem}.md").write_text(f"## {title}\n\n" + markdown_table(shown) + "\n")
+    (out_dir / f"{stem}.tex").write_text(to_latex(shown, title, f"tab:{stem}",
+                                                  len(spec["rows"])))
+    numeric.to_csv(out_dir / f"{stem}.csv", index=False)
+    return [f"{stem}.md", f"{stem}.tex", f"{stem}.csv"]
 
 
 def main(argv: list[str] | None = None) -> None:

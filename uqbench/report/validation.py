@@ -30,7 +30,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from uqbench.report.claims import CONFIDENCE, InvalidClaims, check_claims, get_path
+from uqbench.report.claims import (
+    CONFIDENCE,
+    InvalidClaims,
+    check_claims,
+    check_multiplicity,
+    get_path,
+)
 from uqbench.report.levels import InvalidLevels, check_levels
 
 Run = dict[str, Any]
@@ -114,10 +120,21 @@ def check_spec(spec: Any) -> None:
         raise InvalidResults("table.figures is not an object {name: figure}")
     for figure in figure_specs(spec).values():
         figure_keys(figure)
+    subtables = spec.get("subtables") or {}
+    if not isinstance(subtables, dict) or not all(isinstance(v, dict) for v in
+                                                  subtables.values()):
+        raise InvalidResults("table.subtables is not an object {name: {title, columns}}")
+    for name, sub in subtables.items():
+        try:
+            check_spec({k: v for k, v in (spec | sub).items()
+                        if k not in ("subtables", "claims")})
+        except InvalidResults as err:
+            raise InvalidResults(f"table.subtables.{name}: {err}") from err
     if spec.get("claims") is not None:
         try:
             check_claims(spec["claims"], [r["title"] for r in spec["rows"]],
                          spec.get("confidence", CONFIDENCE))
+            check_multiplicity(spec)
         except InvalidClaims as err:
             raise InvalidResults(str(err)) from err
     if spec.get("levels") is not None:

@@ -117,7 +117,8 @@ class Trainer:
     of the best validated epoch). select_metric: what best means: nll (the lowest validation
     loss, the task's ``val_loss``) | acc (the highest validation accuracy; of equal ones the
     earlier epoch, as with equal losses). val_every: epochs between validation passes (only
-    validated epochs can be selected). progress: auto (a bar on a terminal, one line per epoch
+    validated epochs can be selected); 0: none while training (select=last), the scoring
+    after it validates. progress: auto (a bar on a terminal, one line per epoch
     otherwise) | bar | lines | none (:func:`progress_mode`).
     decay_to: zero or None (the optimiser's own weight decay, toward 0) | init (decoupled weight
     decay toward the values training started from — for SVE the pretrained spectrum, for full
@@ -165,6 +166,10 @@ class Trainer:
         self.schedule, self.select, self.select_metric = schedule, select, select_metric
         progress_mode(progress, tty=False)  # refuses an unknown mode when the trainer is built
         self.val_every, self.progress = int(val_every), progress
+        if self.val_every < 0 or (self.val_every == 0 and select != "last"):
+            raise ValueError(f"trainer.val_every must be >= 1 (epochs between validation "
+                             f"passes), or 0 for none with trainer.select=last; got "
+                             f"{val_every} with select={select}")
         self.decay_to = decay_to
         precision = str(precision)
         check_precision_and_strategy(precision, strategy)  # the choices memory.Engine knows
@@ -197,7 +202,9 @@ class Trainer:
 
     def validates(self, epoch: int) -> bool:
         """Whether epoch ``epoch`` ends with a validation pass: every ``val_every``, and the
-        last."""
+        last; never with ``val_every: 0`` (select=last only: the run's scoring validates)."""
+        if self.val_every == 0:
+            return False
         return epoch % self.val_every == 0 or epoch == self.epochs
 
     @property
