@@ -218,3 +218,21 @@ define score_with
 	if [ $${#runs[@]} -eq 0 ]; then echo "no $(1) runs to score: run make p2 first"; exit 1; fi; \
 	$(BIN)/uqbench -m job=eval "eval_run=$$(IFS=,; echo "$${runs[*]}")" $(2) skip_existing=true
 endef
+
+# P1 on a real pretrained transformer and real text (conf/experiment/p1_text.yaml): the data
+# (through pip, once), the selection sweep on validation only and the recipe it writes, then
+# the result sweep and its tables: the per-method table, each shifted corpus, P1's claims.
+P1_TEXT_SWEEP := skip_existing=true trainer.progress=false hydra/launcher=local
+
+.PHONY: p1-text-data p1-text-select p1-text
+p1-text-data: $(STAMP)  ## Fetch the rated sentences (vaderSentiment 3.3.2's source archive, through pip) into the data root
+	$(BIN)/uqbench-data download movie_sentences
+
+p1-text-select: p1-text-data  ## The text benchmark's selection sweep (validation only); writes conf/recipe/p1_text.yaml
+	$(BIN)/uqbench experiment=p1_text_select $(P1_TEXT_SWEEP)
+	$(BIN)/uqbench-select p1_text_select --metric val/nll --key trainer.optimizer.lr \
+		--write conf/recipe/p1_text.yaml
+
+p1-text: p1-text-select  ## P1 on real text: MiniLM × movie-review sentences, 11 methods × 5 seeds, shift and OOD; tables and claims
+	$(BIN)/uqbench experiment=p1_text $(P1_TEXT_SWEEP)
+	$(BIN)/uqbench-tables --experiment p1_text
