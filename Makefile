@@ -223,8 +223,10 @@ endef
 # (through pip, once), the selection sweep on validation only and the recipe it writes, then
 # the result sweep and its tables: the per-method table, each shifted corpus, P1's claims.
 P1_TEXT_SWEEP := skip_existing=true trainer.progress=false hydra/launcher=local
+# P1_TEXT_TABLES: where make p1-text writes its tables (its runs go to $UQBENCH_RUNS, runs/)
+P1_TEXT_TABLES ?= tables
 
-.PHONY: p1-text-data p1-text-select p1-text
+.PHONY: p1-text-data p1-text-select p1-text p1-text-time
 p1-text-data: $(STAMP)  ## Fetch the rated sentences (vaderSentiment 3.3.2's source archive, through pip) into the data root
 	$(BIN)/uqbench-data download movie_sentences
 
@@ -235,4 +237,10 @@ p1-text-select: p1-text-data  ## The text benchmark's selection sweep (validatio
 
 p1-text: p1-text-select  ## P1 on real text: MiniLM × movie-review sentences, 11 methods × 5 seeds, shift and OOD; tables and claims
 	$(BIN)/uqbench experiment=p1_text $(P1_TEXT_SWEEP)
-	$(BIN)/uqbench-tables --experiment p1_text
+	$(BIN)/uqbench-tables --experiment p1_text --out $(P1_TEXT_TABLES)
+
+# P1_TEXT_TIME_ARGS: e.g. "--tables /tmp/again" to keep the timed run's tables for
+# `uqbench-compare tables /tmp/again --ignore 'train s'`
+P1_TEXT_TIME_ARGS ?=
+p1-text-time: $(STAMP)  ## Time make p1-text from an empty runs folder → tables/p1_text_time.json
+	$(BIN)/python -m uqbench.bench.demo --target p1-text --out tables $(P1_TEXT_TIME_ARGS)

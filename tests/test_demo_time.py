@@ -52,3 +52,23 @@ def test_a_new_measurement_keeps_the_one_before_and_the_other_figures(tmp_path):
     records = json.loads(path.read_text())
     assert [r["figure"] for r in records] == [FIGURE, previous(FIGURE), kept_cache["figure"]]
     assert records[1]["seconds"] < 30
+
+
+def test_p1_text_is_timed_the_same_way_and_its_tables_can_be_kept(tmp_path):
+    seen = tmp_path / "seen.txt"
+    make = tmp_path / "fake-make"  # writes a table where make p1-text would
+    make.write_text("#!/bin/sh\n"
+                    f'echo "$@|$UQBENCH_RUNS" > {seen}\n'
+                    'for a in "$@"; do case "$a" in P1_TEXT_TABLES=*) d="${a#*=}";; esac; done\n'
+                    'mkdir -p "$d" && echo table > "$d/p1_text.md"\n')
+    make.chmod(make.stat().st_mode | stat.S_IEXEC)
+    kept = tmp_path / "again"
+    main(["--out", str(tmp_path / "tables"), "--make", str(make), "--target", "p1-text",
+          "--tables", str(kept)])
+    args, runs = seen.read_text().strip().split("|")
+    assert args.split()[0] == "p1-text" and f"P1_TEXT_TABLES={kept}" in args.split()
+    assert runs.endswith("/runs") and not os.path.exists(runs.rsplit("/", 1)[0])
+    assert (kept / "p1_text.md").read_text() == "table\n"  # kept for a comparison
+    [record] = json.loads((tmp_path / "tables" / "p1_text_time.json").read_text())
+    assert record["figure"] == "make p1-text after setup, from an empty runs folder"
+    assert not (tmp_path / "tables" / "demo.json").exists()

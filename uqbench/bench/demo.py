@@ -1,4 +1,6 @@
-"""How long ``make demo`` takes after setup (``make demo-time``) → ``tables/demo.json``.
+"""How long ``make demo`` takes after setup (``make demo-time``) → ``tables/demo.json``; with
+``--target p1-text``, how long ``make p1-text`` takes (``make p1-text-time``) →
+``tables/p1_text_time.json``, its tables kept in ``--tables`` for a comparison with tables/.
 
 Runs the Makefile's ``demo`` target with its runs in an empty temporary folder
 (``UQBENCH_RUNS``), its tables there too (``DEMO_TABLES``), and torch's compile cache empty
@@ -22,6 +24,8 @@ import time
 from pathlib import Path
 
 FIGURE = "make demo after setup, from empty runs and compile-cache folders"
+TARGETS = {"demo": ("demo.json", FIGURE),
+           "p1-text": ("p1_text_time.json", "make p1-text after setup, from an empty runs folder")}
 
 
 def previous(figure: str) -> str:
@@ -39,17 +43,22 @@ def _commit() -> str | None:
     return out.stdout.strip() or None
 
 
-def time_demo(make: str = "make", keep_compile_cache: bool = False) -> dict[str, object]:
-    """Run ``make demo`` in fresh folders and return its record."""
+def time_demo(make: str = "make", keep_compile_cache: bool = False, target: str = "demo",
+              tables: Path | None = None) -> dict[str, object]:
+    """Run ``make <target>`` (demo, p1-text) in fresh folders and return its record; its tables
+    go to ``tables`` (kept) or a temporary folder."""
+    figure = TARGETS[target][1]
     with tempfile.TemporaryDirectory(prefix="uqbench-demo-") as tmp:
         env = {**os.environ, "UQBENCH_RUNS": f"{tmp}/runs"}
         if not keep_compile_cache:
             env["TORCHINDUCTOR_CACHE_DIR"] = f"{tmp}/compile-cache"
+        out = tables or Path(tmp) / "tables"
         start = time.perf_counter()
-        subprocess.run([make, "demo", f"DEMO_TABLES={tmp}/tables"], env=env, check=True)
+        subprocess.run([make, target, f"DEMO_TABLES={out}", f"P1_TEXT_TABLES={out}"], env=env,
+                       check=True)
         seconds = round(time.perf_counter() - start, 1)
-    return {"figure": FIGURE if not keep_compile_cache else
-            FIGURE.replace(" and compile-cache folders", " folder, the compile cache kept"),
+    return {"figure": figure if not keep_compile_cache else
+            figure.replace(" and compile-cache folders", " folder, the compile cache kept"),
             "seconds": seconds, "minutes": round(seconds / 60, 2),
             "cpus": os.cpu_count(), "date": datetime.date.today().isoformat(),
             "commit": _commit()}
@@ -80,12 +89,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--make", default="make", help="the make command (make)")
     parser.add_argument("--keep-compile-cache", action="store_true",
                         help="reuse the machine's torch compile cache instead of an empty one")
+    parser.add_argument("--target", choices=sorted(TARGETS), default="demo",
+                        help="the make target timed (demo)")
+    parser.add_argument("--tables", type=Path, default=None,
+                        help="keep the timed run's tables in this folder (default: discarded)")
     args = parser.parse_args(argv)
-    record = time_demo(args.make, args.keep_compile_cache)
+    record = time_demo(args.make, args.keep_compile_cache, args.target, args.tables)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "demo.json"
+    path = args.out / TARGETS[args.target][0]
     path.write_text(json.dumps(with_previous(record, path), indent=2) + "\n")
-    print(f"make demo: {record['minutes']} min → {path}")
+    print(f"make {args.target}: {record['minutes']} min → {path}")
 
 
 if __name__ == "__main__":
