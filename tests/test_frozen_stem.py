@@ -8,7 +8,8 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from uqbench.backbones.hf import FrozenRows, HFEncoder
+from uqbench.backbones.hf import HFEncoder
+from uqbench.backbones.stem import FrozenRows
 from uqbench.contracts import DataInfo, split_rows, stack_streams
 from uqbench.methods.layers import repeat_members
 
