@@ -277,7 +277,7 @@ def test_member_k_starts_as_member_k_and_counts_add_up_to_the_ensemble(cfg, meth
     (["method.member=one"], r"method\.member must be an integer"),
     (["method=sve", "+method.member=0"], r"method\.member is not an option of method 'SVE'; "
                                          r"the method options that have it: deep_ensemble, "
-                                         r"deep_ensemble_lp"),
+                                         r"deep_ensemble_independent, deep_ensemble_lp"),
 ])
 def test_bad_members_are_refused_before_anything_is_built(compose_cfg, overrides, match):
     from uqbench.runner.parts import check_config
