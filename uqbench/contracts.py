@@ -6,7 +6,9 @@ it without depending on one another (tests/test_architecture.py enforces the imp
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, TypeVar, get_args
 
 import torch
@@ -78,6 +80,15 @@ def one_of(key: str, value: T, choices: Any) -> T:
     if value not in options:
         raise ValueError(f"{key}={value!r} is not one of: {', '.join(map(str, options))}")
     return value
+
+
+def sha256_file(path: Path) -> str:
+    """The sha256 of a file's bytes, read in 1 MiB blocks (checkpoints, archives)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def to_device(inputs: Any, device: torch.device) -> Any:

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from uqbench.backbones.timm_vit import TimmViT
-from uqbench.contracts import one_of
+from uqbench.contracts import one_of, sha256_file
 
 MODEL = "vit_tiny_patch16_224"
 # The design choices made on the validation split by `uqbench-pretrain --design` (the pooled
@@ -146,14 +146,6 @@ def write_weights(state: dict[str, torch.Tensor], path: Path, settings: dict[str
     from safetensors.torch import save_file
 
     save_file(state, str(path), metadata={"settings": json.dumps(settings, sort_keys=True)})
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def read_sidecar(sidecar: Path) -> dict[str, Any] | None:

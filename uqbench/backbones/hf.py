@@ -26,7 +26,7 @@ from uqbench.backbones.base import (
     switched_on,
 )
 from uqbench.backbones.stem import freeze_stem
-from uqbench.contracts import one_of
+from uqbench.contracts import one_of, sha256_file
 
 Pooling = Literal["cls", "pooler", "last", "mean"]
 # What a model folder needs: config and generation config, tokenizer files (tokenizer.json,
@@ -90,7 +90,6 @@ def weights_record(path: Path, package: str | None, hub_id: str | None) -> dict[
     """Where a pretrained model's weights came from: the folder, the pip package and its
     version or the Hub name, and the sha256 of each weights file (``*.safetensors``, ``*.bin``)
     below 2 GiB (larger ones by size only: hashing a 13 GB checkpoint per run is not worth it)."""
-    import hashlib
     from importlib.metadata import PackageNotFoundError, version
 
     record: dict[str, Any] = {"path": str(path)}
@@ -107,7 +106,7 @@ def weights_record(path: Path, package: str | None, hub_id: str | None) -> dict[
         size = f.stat().st_size
         if size < 2 << 30:
             files[f.name] = {"bytes": size,
-                             "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+                             "sha256": sha256_file(f)}
         else:
             files[f.name] = {"bytes": size}
     record["files"] = files

@@ -26,6 +26,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from uqbench.contracts import sha256_file as sha256
 from uqbench.data.layout import ALL_CORRUPTIONS, HF_SPLITS, LAYOUTS
 
 CIFAR100_C_URL = "https://zenodo.org/records/3555552/files/CIFAR-100-C.tar?download=1"
@@ -113,16 +114,6 @@ def _fetch_hf(name: str) -> Callable[[Path], None]:
         data.save_to_disk(str(tmp / LAYOUTS[name].folder))
         shutil.rmtree(tmp / ".hf-cache", ignore_errors=True)
     return fetch
-
-
-def sha256(path: Path) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _fetch_vader(tmp: Path) -> None:

@@ -56,11 +56,11 @@ from uqbench.backbones.digits_vit import (
     checkpoint_paths,
     pretrain_settings,
     read_sidecar,
-    sha256_file,
     verify_checkpoint,
     write_weights,
 )
 from uqbench.backbones.timm_vit import TimmViT
+from uqbench.contracts import sha256_file
 from uqbench.data.digits import (
     DOWNSTREAM_CLASSES,
     PRETRAIN_CLASSES,
