@@ -239,8 +239,8 @@ p1-text: p1-text-select  ## P1 on real text: MiniLM × movie-review sentences, 1
 	$(BIN)/uqbench experiment=p1_text $(P1_TEXT_SWEEP)
 	$(BIN)/uqbench-tables --experiment p1_text --out $(P1_TEXT_TABLES)
 
-# P1_TEXT_TIME_ARGS: e.g. "--tables /tmp/again" to keep the timed run's tables for
-# `uqbench-compare tables /tmp/again --ignore 'train s'`
+# P1_TEXT_TIME_ARGS: e.g. "--tables /tmp/again --runs /tmp/again_runs" keeps the timed run's
+# tables for `uqbench-compare tables /tmp/again --ignore 'train s'`, and its runs
 P1_TEXT_TIME_ARGS ?=
 p1-text-time: $(STAMP)  ## Time make p1-text from an empty runs folder → tables/p1_text_time.json
 	$(BIN)/python -m uqbench.bench.demo --target p1-text --out tables $(P1_TEXT_TIME_ARGS)

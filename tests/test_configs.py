@@ -93,6 +93,23 @@ def test_p1_overhead_uses_p1s_ensemble_size_per_backbone(compose_cfg):
         assert cfg.method.members == members
 
 
+def test_method_options_that_differ_have_their_own_run_folders(compose_cfg):
+    """Two method configs with different settings never name the same run folder: a sweep over
+    both (method=deep_ensemble,deep_ensemble_independent) would otherwise refuse the second as a
+    resumed run of the first."""
+    seen: dict[str, tuple[str, dict]] = {}
+    for option in group_options("method"):
+        cfg = compose_cfg([f"method={option}"])
+        folder = cfg.run_dir
+        settings = OmegaConf.to_container(cfg.method, resolve=True)
+        if folder in seen:
+            other, other_settings = seen[folder]
+            assert settings == other_settings, (
+                f"method={option} and method={other} share {folder}")
+        seen[folder] = (option, settings)
+    assert len(seen) == len(group_options("method"))
+
+
 def test_run_dir_is_deterministic_and_run_name_replaces_it(compose_cfg):
     cfg = compose_cfg(["backbone.width=8", "method.variance=learned", "seed=2"])
     assert cfg.run_dir == "runs/default/polynomial/bnn_learned/mlp_w8/seed2"

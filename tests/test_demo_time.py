@@ -6,6 +6,8 @@ import json
 import os
 import stat
 
+import pytest
+
 from uqbench.bench.demo import FIGURE, main, previous
 
 
@@ -72,3 +74,22 @@ def test_p1_text_is_timed_the_same_way_and_its_tables_can_be_kept(tmp_path):
     [record] = json.loads((tmp_path / "tables" / "p1_text_time.json").read_text())
     assert record["figure"] == "make p1-text after setup, from an empty runs folder"
     assert not (tmp_path / "tables" / "demo.json").exists()
+
+
+def test_the_timed_runs_can_be_kept_in_an_empty_folder_and_a_full_one_is_refused(tmp_path):
+    seen = tmp_path / "seen.txt"
+    make = tmp_path / "fake-make"  # writes a run where make p1-text would
+    make.write_text("#!/bin/sh\n"
+                    f'echo "$UQBENCH_RUNS" > {seen}\n'
+                    'mkdir -p "$UQBENCH_RUNS/p1_text" && echo run > "$UQBENCH_RUNS/p1_text/r"\n')
+    make.chmod(make.stat().st_mode | stat.S_IEXEC)
+    runs = tmp_path / "kept_runs"
+    main(["--out", str(tmp_path / "tables"), "--make", str(make), "--target", "p1-text",
+          "--runs", str(runs)])
+    assert seen.read_text().strip() == str(runs.resolve())
+    assert (runs / "p1_text" / "r").read_text() == "run\n"  # kept, not a temporary folder
+    seen.unlink()
+    with pytest.raises(SystemExit, match="kept_runs is not empty"):  # a second timing refused
+        main(["--out", str(tmp_path / "tables"), "--make", str(make), "--target", "p1-text",
+              "--runs", str(runs)])
+    assert not seen.exists() and (runs / "p1_text" / "r").read_text() == "run\n"

@@ -176,11 +176,14 @@ def test_each_table_compiles_with_pdflatex(tables, tmp_path, exp):
 def test_every_experiment_config_table_compiles_with_pdflatex(tmp_path):
     """The titles and headers of conf/experiment/*.yaml, on made-up runs (two settings, the
     first row key numeric, the others text), compile (in one document: one pdflatex run)."""
-    runs, compiled = tmp_path / "runs", 0
+    runs, compiled, expected = tmp_path / "runs", 0, set()
     for path in sorted((ROOT / "conf" / "experiment").glob("*.yaml")):
         spec = (yaml.safe_load(path.read_text()) or {}).get("table") or {}
         if "rows" not in spec or "columns" not in spec:  # a layout over another experiment's
             continue
+        # the experiment's table, each subtable of its config, its claims table where asked
+        expected |= {path.stem, *(f"{path.stem}_{n}" for n in spec.get("subtables") or {}),
+                     *([f"{path.stem}_claims"] if spec.get("claims_tex") else [])}
         spec = {k: spec[k] for k in ("title", "rows", "columns", "paper") if k in spec}
         # a row keyed by the run's own seed (p2_depth_seeds) takes the seeds _write gives
         keys = [r["key"] for r in spec["rows"] if r["key"] != "seed"]
@@ -191,5 +194,5 @@ def test_every_experiment_config_table_compiles_with_pdflatex(tmp_path):
     main(["--runs", str(runs), "--out", str(tmp_path / "tables"), "--quiet"])
     assert compiled >= 15
     tex = sorted((tmp_path / "tables").glob("*.tex"))
-    assert len(tex) == compiled
+    assert {t.stem for t in tex} == expected
     compile_tex(tex, tmp_path / "build")

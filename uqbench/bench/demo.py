@@ -44,12 +44,16 @@ def _commit() -> str | None:
 
 
 def time_demo(make: str = "make", keep_compile_cache: bool = False, target: str = "demo",
-              tables: Path | None = None) -> dict[str, object]:
+              tables: Path | None = None, runs: Path | None = None) -> dict[str, object]:
     """Run ``make <target>`` (demo, p1-text) in fresh folders and return its record; its tables
-    go to ``tables`` (kept) or a temporary folder."""
+    go to ``tables`` and its runs to ``runs`` (kept: an empty or new folder) or a temporary
+    folder."""
     figure = TARGETS[target][1]
+    if runs is not None and runs.exists() and any(runs.iterdir()):
+        raise SystemExit(f"--runs {runs} is not empty: the timing starts from an empty runs "
+                         "folder (name a new one)")
     with tempfile.TemporaryDirectory(prefix="uqbench-demo-") as tmp:
-        env = {**os.environ, "UQBENCH_RUNS": f"{tmp}/runs"}
+        env = {**os.environ, "UQBENCH_RUNS": str(runs.resolve()) if runs else f"{tmp}/runs"}
         if not keep_compile_cache:
             env["TORCHINDUCTOR_CACHE_DIR"] = f"{tmp}/compile-cache"
         out = tables or Path(tmp) / "tables"
@@ -93,8 +97,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="the make target timed (demo)")
     parser.add_argument("--tables", type=Path, default=None,
                         help="keep the timed run's tables in this folder (default: discarded)")
+    parser.add_argument("--runs", type=Path, default=None,
+                        help="keep the timed run's runs in this new or empty folder (default: "
+                             "discarded)")
     args = parser.parse_args(argv)
-    record = time_demo(args.make, args.keep_compile_cache, args.target, args.tables)
+    record = time_demo(args.make, args.keep_compile_cache, args.target, args.tables, args.runs)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / TARGETS[args.target][0]
     path.write_text(json.dumps(with_previous(record, path), indent=2) + "\n")
