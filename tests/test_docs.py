@@ -223,3 +223,14 @@ def test_make_help_lists_every_documented_target():
         name, _, text = line.strip().partition(" ")
         listed[name] = text.strip()
     assert {name: listed.get(name) for name in documented} == documented
+
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda p: p.name)
+def test_no_control_characters(page):
+    """A formula written through a non-raw Python string loses its backslashes to control
+    characters (``\\frac`` → form feed + ``rac``, ``\\bar`` → backspace, ``\\text`` → tab),
+    and renders broken. Only newlines may appear below U+0020."""
+    data = page.read_bytes()
+    bad = [(data.count(b"\n", 0, i) + 1, repr(chr(c))) for i, c in enumerate(data)
+           if c < 0x20 and c != 0x0A]
+    assert not bad, f"{page.name}: control characters at (line, character) {bad[:10]}"

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from scipy.stats import entropy as scipy_entropy
 from scipy.stats import mannwhitneyu
 from sklearn.metrics import brier_score_loss, log_loss
 from torch.utils.data import DataLoader, TensorDataset
@@ -101,6 +102,30 @@ def test_ood_scores_by_hand():
     s = M.ood_scores(agree)
     assert s["mi"].item() == pytest.approx(0.0, abs=1e-12)
     assert s["entropy"].item() == pytest.approx(math.log(4))
+
+
+@pytest.mark.parametrize("aggregation", M.AGGREGATIONS)
+def test_mi_is_a_mutual_information_under_every_aggregation(aggregation):
+    # 1,000 random draws of M members over C classes: the MI is the members' mutual
+    # information, H(mixture) − mean H(p_m), computed here with scipy, and never negative
+    # (concavity of H), whatever the aggregation the other scores use.
+    rng = np.random.default_rng(7)
+    probs = rng.dirichlet(np.full(5, 0.3), size=(4, 1000))  # (M, N, C), many near one-hot
+    mi = M.ood_scores(torch.from_numpy(probs), aggregation)["mi"].numpy()
+    expected = scipy_entropy(probs.mean(0), axis=-1) - scipy_entropy(probs, axis=-1).mean(0)
+    np.testing.assert_allclose(mi, expected, rtol=1e-9, atol=1e-12)
+    assert mi.min() >= -1e-12
+
+
+def test_mi_of_members_whose_geometric_mean_misleads():
+    # (0.5, 0.5, ε) and (0.5, ε, 0.5): the entropy of their normalised geometric mean minus
+    # the mean member entropy is negative (≈ −0.67 nats); the mutual information is
+    # H((0.5, 0.25, 0.25)) − log 2 = 0.5 log 2 ≥ 0, under either aggregation.
+    eps = 1e-12
+    members = torch.tensor([[[0.5, 0.5, eps]], [[0.5, eps, 0.5]]], dtype=torch.float64)
+    for aggregation in M.AGGREGATIONS:
+        mi = M.ood_scores(members, aggregation)["mi"].item()
+        assert mi == pytest.approx(0.5 * math.log(2), abs=1e-9)
 
 
 def test_auroc_and_aupr_against_scipy_and_torchmetrics():

@@ -31,7 +31,8 @@ TINY = ("-m", "hydra/sweeper=tune", "hydra.sweeper.n_trials=2", "trainer.epochs=
 def test_the_search_space_is_the_lr_and_the_methods_own_knob(compose_cfg, method, knob):
     cfg = compose_cfg(["hydra/sweeper=tune", f"method={method}", "seed=7"],
                       return_hydra_config=True)
-    params = cfg.hydra.sweeper.params
+    params = dict(cfg.hydra.sweeper.params)
+    assert params.pop("eval_splits") == "[val]"  # fixed: a trial scores validation only
     assert set(params) == {"trainer.optimizer.lr", *([knob] if knob else [])}
     assert params["trainer.optimizer.lr"] == "tag(log, interval(1e-4, 1e-1))"
     for key in params:  # every tuned key is an option of the composed run config
@@ -56,6 +57,9 @@ def test_two_trials_write_their_runs_and_the_best_is_the_lowest_val_nll(tmp_path
     assert best["best_params"]["trainer.optimizer.lr"] == pytest.approx(
         lowest["settings"]["trainer"]["optimizer"]["lr"])
     assert len({r["settings"]["method"]["rho_init"] for r in found}) == 2  # two trials, not one
+    for r in found:  # selection runs: validation scored, test never
+        assert r["eval_splits"] == ["val"]
+        assert not [k for k in r["metrics"] if not k.startswith("val/")], r["metrics"]
 
     # again with skip_existing: the seeded sampler proposes the same two trials, whose runs
     # answer from their results.json without training (the files stay as they were)
@@ -110,8 +114,8 @@ def test_an_objective_the_task_does_not_compute_is_refused_naming_the_valid_ones
 
 def test_a_direction_against_the_metric_is_refused_before_training(compose_cfg, in_sweep):
     accuracy = compose_cfg(["dataset=fake_images", "backbone=tiny_vit", "method=single",
-                            "objective=val/ts/acc"])
-    nll = compose_cfg(["objective=val/nll"])
+                            "objective=val/ts/acc", "eval_splits=[val]"])
+    nll = compose_cfg(["objective=val/nll", "eval_splits=[val]"])
     in_sweep("minimize")
     with pytest.raises(ValueError, match="hydra.sweeper.direction=maximize"):
         objective.check(accuracy)
@@ -120,6 +124,18 @@ def test_a_direction_against_the_metric_is_refused_before_training(compose_cfg, 
     objective.check(accuracy)
     with pytest.raises(ValueError, match="hydra.sweeper.direction=minimize"):
         objective.check(nll)
+
+
+@pytest.mark.parametrize("splits", [None, ["val", "test"], ["test"]])
+def test_a_trial_that_would_score_test_is_refused_before_training(compose_cfg, in_sweep,
+                                                                   splits):
+    override = "eval_splits=null" if splits is None else f"eval_splits=[{','.join(splits)}]"
+    cfg = compose_cfg(["objective=val/nll", override])
+    in_sweep()
+    with pytest.raises(ValueError, match=r"eval_splits=.*validation split only"):
+        objective.check(cfg)
+    HydraConfig.instance().cfg = None
+    objective.check(cfg)  # a single run scores what it is told
 
 
 def test_a_sweep_needs_a_validation_split(in_sweep):

@@ -237,16 +237,19 @@ def ood_scores(member_probs: torch.Tensor, aggregation: Aggregation = "mean_prob
                ) -> dict[str, torch.Tensor]:
     """Per-sample OOD scores (N,), each oriented so that higher means more likely OOD.
 
-    msp: −max_c p̄_c (negative maximum softmax probability).
-    entropy: H(p̄), the predictive entropy.
-    mi: H(p̄) − (1/M) Σ_m H(p_m), the mutual information (0 for a single member).
+    msp: −max_c p̄_c (negative maximum softmax probability), p̄ under ``aggregation``.
+    entropy: H(p̄), the predictive entropy, p̄ under ``aggregation``.
+    mi: H((1/M) Σ_m p_m) − (1/M) Σ_m H(p_m), the members' mutual information (BALD), always
+    on the mixture whatever the aggregation: it is ≥ 0 by the concavity of H, and 0 for a
+    single member. (The entropy of the normalised geometric mean minus the mean member
+    entropy, its ``mean_logits`` look-alike, is no mutual information and goes negative.)
     """
     mean = aggregate(member_probs, aggregation)
-    pred_entropy = entropy(mean)
+    mixture = member_probs.double().mean(0)
     return {
         "msp": -mean.double().max(-1).values,
-        "entropy": pred_entropy,
-        "mi": pred_entropy - entropy(member_probs).mean(0),
+        "entropy": entropy(mean),
+        "mi": entropy(mixture) - entropy(member_probs).mean(0),
     }
 
 

@@ -35,7 +35,8 @@ def sweeper_direction() -> str | None:
 
 def check(cfg: DictConfig) -> None:
     """Before anything is read or built: ``objective`` must be a validation metric the task
-    computes, and, under a sweeper that reads it, better in the sweep's direction."""
+    computes, and, under a sweeper that reads it, better in the sweep's direction and the only
+    split scored validation (``eval_splits: [val]``: a selection run never scores test)."""
     objective = cfg.get("objective")
     if objective is None:
         return
@@ -47,6 +48,13 @@ def check(cfg: DictConfig) -> None:
             f"(dataset '{cfg.dataset.name}'); choose one of: {', '.join(valid)} "
             f"(or objective=null)")
     direction, better = sweeper_direction(), task.direction(str(objective))
+    splits = cfg.get("eval_splits")
+    if direction is not None and (splits is None or list(splits) != ["val"]):
+        raise ValueError(
+            f"eval_splits={'null' if splits is None else list(splits)}: a trial of a sweeper "
+            f"that reads the objective is a selection run, which scores the validation split "
+            f"only; use eval_splits=[val] (hydra/sweeper=tune sets it) and score the chosen "
+            f"setting on test with a plain run afterwards")
     if direction is not None and better is not None and direction != better:
         raise ValueError(
             f"the sweep would {direction} objective '{objective}', which is better when it "
