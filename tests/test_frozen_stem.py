@@ -1,6 +1,6 @@
 """A Hugging Face encoder's frozen stem (``backbone.frozen_blocks``): the same features as the
-whole model, computed once per distinct row, never adapted nor trained; and Deep Ensemble
-members that draw their own data order (``method.data_order: independent``)."""
+whole model, computed once per distinct row, never adapted nor trained; and Deep Ensemble and
+LoRA-Ensemble members that draw their own data order (``method.data_order: independent``)."""
 
 from __future__ import annotations
 
@@ -146,6 +146,76 @@ def test_deep_ensemble_members_see_their_own_batch_orders(cfg, tmp_path):
         assert len(member) == 2 * n
         assert sorted(member[:n]) == sentences and sorted(member[n:]) == sentences
     assert seen[0] != seen[1] and seen[1] != seen[2] and seen[0] != seen[2]
+
+
+def test_lora_ensemble_members_see_their_own_batch_orders(cfg):
+    """LoRA-Ensemble with data_order=independent, two epochs of fake_text: member m's rows of
+    every step (one encoder, M·B rows, member-major) cover every training sentence once per
+    epoch, in an order no other member sees."""
+    from uqbench.records.loggers import NullLogger
+    from uqbench.tasks.classification import ClassificationTask
+
+    c = cfg("method=lora_ensemble_independent", "method.members=3", "dataset=fake_text",
+            "trainer=p1", "trainer.epochs=2")
+    torch.manual_seed(0)
+    data = instantiate(c.dataset)
+    backbone = tiny()
+    data.setup(backbone)
+    m = instantiate(c.method)(backbone=backbone, info=data.info)
+    assert m.data_streams() == 3 and m.settings()["data_order"] == "independent"
+    seen: list[list[tuple]] = [[] for _ in range(3)]
+
+    def record(mod, args):
+        if mod.training:
+            for k, rows in enumerate(split_rows(args[0], 3)):
+                seen[k].extend(tuple(r[r != 0].tolist()) for r in rows["input_ids"])
+
+    m.encoder.register_forward_pre_hook(record)
+    trainer = instantiate(c.trainer, progress=False, val_every=100)
+    trainer.fit(m, data, ClassificationTask(), NullLogger())
+    n = len(data.dataset("train"))
+    sentences = sorted(tuple(r[r != 0].tolist()) for inputs, _ in data.loader("train")
+                       for r in inputs["input_ids"])
+    for member in seen:
+        assert len(member) == 2 * n
+        assert sorted(member[:n]) == sentences and sorted(member[n:]) == sentences
+    assert seen[0] != seen[1] and seen[1] != seen[2] and seen[0] != seen[2]
+
+
+def test_on_their_own_streams_each_member_is_scored_on_its_own_batch(cfg):
+    """The training loss on a stacked step is (1/M) Σ_m CE(member m on batch m, y_m), each
+    term computed here from member m's logits on batch m alone (evaluation mode, no dropout
+    in the tiny model); the shared order's loss is that of every member on one batch."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    c = cfg("method=lora_ensemble_independent", "method.members=2")
+    m = instantiate(c.method)(backbone=tiny(), info=INFO)
+    with torch.no_grad():  # members that differ: B ≠ 0
+        for p in m.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.3)
+    b = batch(tiny(), 4)
+    first = {k: v[:2] for k, v in b.items()}
+    second = {k: v[2:] for k, v in b.items()}
+    y1, y2 = torch.tensor([0, 1]), torch.tensor([1, 1])
+    m.eval()
+    with torch.no_grad():
+        by_hand = 0.5 * (F.cross_entropy(m(first)[0].float(), y1)
+                         + F.cross_entropy(m(second)[1].float(), y2))
+        m.train()
+        stacked = m.loss(stack_streams([(first, y1), (second, y2)]))
+    torch.testing.assert_close(stacked, by_hand, rtol=1e-5, atol=1e-6)
+
+
+def test_independent_order_is_refused_for_multiple_choice(cfg):
+    c = cfg("method=lora_ensemble_independent")
+    with pytest.raises(ValueError, match="data_order=independent needs a single-label"):
+        instantiate(c.method)(backbone=tiny(), info=DataInfo(
+            task="classification", num_classes=5, multiple_choice=True))
+    c = cfg("method=lora_ensemble", "method.data_order=sometimes")
+    with pytest.raises(ValueError, match="sometimes"):
+        instantiate(c.method)(backbone=tiny(), info=INFO)
 
 
 def test_independent_order_needs_a_fine_tuned_ensemble_in_one_job(cfg):

@@ -288,3 +288,28 @@ def test_scorings_must_be_true_or_false(runs, capsys):
     csv, _, err = build(runs, capsys)
     assert_expected_table(csv)
     assert err == [f"warning: skipping {bad}: table.scorings is not true or false"]
+
+
+def test_a_verdict_column_judges_every_run_by_its_bound(runs, capsys):
+    # |NLL| ≤ 1.5 by hand: embedded 1, 2, 4 → one of three runs within; learned 0.5, 0.5,
+    # 1.1 → all three. With a bound of 0.9: learned has two of three, embedded none.
+    spec = SPEC | {"columns": [*SPEC["columns"],
+                               {"key": "metrics.test/nll", "title": "NLL ≤ 1.5",
+                                "within": 1.5},
+                               {"key": "metrics.test/nll", "title": "NLL ≤ 0.9",
+                                "within": 0.9}]}
+    for path in runs.rglob("results.json"):
+        path.write_text(json.dumps(json.loads(path.read_text()) | {"table": spec}))
+    csv, md, err = build(runs, capsys)
+    assert csv.loc["embedded", "NLL ≤ 1.5"] == "1/3 ✓" and csv.loc["learned", "NLL ≤ 1.5"] == "✓"
+    assert csv.loc["embedded", "NLL ≤ 0.9"] == "✗" and csv.loc["learned", "NLL ≤ 0.9"] == "2/3 ✓"
+    assert "| 1/3 ✓" in md and err == []
+
+
+@pytest.mark.parametrize("bound", [0, -2, "two", True])
+def test_a_verdict_bound_that_is_no_positive_number_is_refused(runs, capsys, bound):
+    spec = SPEC | {"columns": [{"key": "metrics.test/nll", "title": "NLL", "within": bound}]}
+    path = write(runs / "toy" / "embedded" / "bad" / "results.json", _good() | {"table": spec})
+    main(["--runs", str(runs), "--out", str(runs.parent / "tables"), "--quiet"])
+    err = capsys.readouterr().err
+    assert str(path) in err and "within" in err and "positive number" in err

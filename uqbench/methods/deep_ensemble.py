@@ -46,7 +46,7 @@ member's own best validation epoch instead of the ensemble's.
 from __future__ import annotations
 
 import copy
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,9 +55,13 @@ from torch import nn
 from uqbench.backbones.base import Backbone, stem_parameters
 from uqbench.contracts import Batch, DataInfo, one_of, split_rows
 from uqbench.methods.base import MemberParameters
-from uqbench.methods.ensemble import EnsembleMethod, Inputs, check_members, check_sigma
-
-DataOrder = Literal["shared", "independent"]
+from uqbench.methods.ensemble import (
+    DataOrder,
+    EnsembleMethod,
+    Inputs,
+    check_members,
+    check_sigma,
+)
 
 
 def _key(name: str) -> str:

@@ -14,14 +14,14 @@ from those declarations.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from uqbench.backbones.base import Backbone, stem_modules, stem_parameters
-from uqbench.contracts import Batch, DataInfo
+from uqbench.contracts import Batch, DataInfo, one_of
 from uqbench.methods.base import MemberParameters, Method
 from uqbench.methods.heads import EnsembleHead, HeadInit, answer_rows, check_head_init
 from uqbench.methods.layers import (
@@ -35,6 +35,8 @@ from uqbench.methods.multiple_choice import mask_absent, score_choices
 
 # Backbones whose build() takes no input width and returns a feature encoder (B, feature_dim).
 FEATURE_MODALITIES = ("image", "text")
+# what the members train on: the same mini-batches, or each its own shuffled stream
+DataOrder = Literal["shared", "independent"]
 
 
 # --- the shared method ------------------------------------------------------------------------
@@ -85,6 +87,7 @@ class EnsembleMethod(Method):
     task = "classification"
     shared_head = False
     released_params = 0  # pretrained entries the method dropped (SVE's decomposed W)
+    data_order = "shared"  # a member-aware method that takes method.data_order sets its own
 
     def __init__(self, backbone: Backbone, info: DataInfo, members: int, name: str,
                  head_init: HeadInit = "default", head_sigma: float = 0.0) -> None:
@@ -171,9 +174,32 @@ class EnsembleMethod(Method):
         trains_encoder = any(id(p) not in head for p in self.trainable_parameters().values())
         return self.members if trains_encoder else 0
 
+    def set_data_order(self, data_order: Any) -> None:
+        """``method.data_order``: shared (every member trains on the same mini-batches) or
+        independent (member m on its own shuffled stream, as M separate runs would be: the
+        trainer stacks M batches, stream-major, and member m's rows are stream m's).
+        Multiple-choice inputs are refused with independent (their rows are (example,
+        choice) pairs, which the member streams would split apart)."""
+        self.data_order = one_of("method.data_order", data_order, DataOrder)
+        if self.data_order == "independent" and self.multiple_choice:
+            raise ValueError(f"method '{self.name}': method.data_order=independent needs a "
+                             f"single-label dataset, not a multiple-choice one; use "
+                             f"method.data_order=shared")
+
+    def data_streams(self) -> int:
+        """M with ``data_order: independent`` (one shuffled stream per member), else 1."""
+        return self.members if self.data_order == "independent" else 1
+
+    def _own_streams(self) -> bool:
+        """Whether this call is a training step on the members' own streams (M·B rows)."""
+        return self.training and self.data_streams() > 1
+
     # -- forward and loss ----------------------------------------------------------------------
     def features(self, inputs: Inputs) -> torch.Tensor:
-        """inputs (B, …) or a dict of (B, T) tensors → member-major features (M·B, D)."""
+        """inputs (B, …) or a dict of (B, T) tensors → member-major features (M·B, D). On the
+        members' own streams the rows are already member-major (member m's batch m)."""
+        if self._own_streams():
+            return self.encoder(inputs)
         return self.encoder(repeat_members(inputs, self.members))
 
     def logits(self, inputs: Inputs) -> torch.Tensor:
@@ -187,14 +213,19 @@ class EnsembleMethod(Method):
         if self.multiple_choice:
             return score_choices(self.logits, inputs)  # type: ignore[arg-type]  # a dict
         mask = inputs.get("choice_mask") if isinstance(inputs, dict) else None
-        return mask_absent(self.logits(inputs), mask)
+        logits = self.logits(inputs)                                             # (M, B, C)
+        if mask is not None and self._own_streams():  # (M·B, C): member m's rows, stream m
+            mask = mask.reshape(logits.shape)
+        return mask_absent(logits, mask)
 
     def loss(self, batch: Batch) -> torch.Tensor:
-        """(1/M) Σ_m CE(logits_m, y): all members see the same mini-batch."""
+        """(1/M) Σ_m CE(logits_m, y): all members see the same mini-batch, or, on their own
+        streams, member m its own batch (y (M·B,), stream-major)."""
         inputs, y = batch
         logits = self(inputs)                                                    # (M, B, C)
         G, B, C = logits.shape
-        return F.cross_entropy(logits.reshape(G * B, C).float(), y.repeat(G))
+        labels = y if self._own_streams() else y.repeat(G)
+        return F.cross_entropy(logits.reshape(G * B, C).float(), labels)
 
     def frozen_tensors(self) -> list[nn.Parameter]:
         """The wrappers' derived frozen tensors (``MemberLinear.frozen_names``)."""

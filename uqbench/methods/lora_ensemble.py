@@ -110,13 +110,15 @@ class LoRAEnsemble(EnsembleMethod):
     targets: attention (default: backbone.attention_targets, i.e. q, k, v, o), all, or a list.
     qkv: split (official: separate q, k, v adapters on a fused qkv layer) | fused (one adapter
     on the fused matrix); a no-op on backbones without fused layers (``backbone.fused_qkv``).
+    data_order: shared (official: the members train on the same mini-batches) | independent
+    (member m on its own shuffled stream, as M separate runs; ``EnsembleMethod.set_data_order``).
     Trains each wrapped layer's lora_A and lora_B and the heads.
     """
 
     def __init__(self, backbone: Backbone, info: DataInfo, members: int = 4, rank: int = 8,
                  init_gain: float = 10.0, alpha: float | None = None,
                  targets: Targets = "attention", qkv: Qkv = "split",
-                 name: str = "lora_ensemble") -> None:
+                 data_order: str = "shared", name: str = "lora_ensemble") -> None:
         rank = positive_int(rank, "method.rank", " (the official CIFAR runs use 8)")
         qkv = check_qkv(qkv)
         if float(init_gain) <= 0:
@@ -125,6 +127,7 @@ class LoRAEnsemble(EnsembleMethod):
             raise ValueError(f"method.alpha must be > 0 or null (no scaling), got {alpha}")
         suffixes = resolve_targets(backbone, targets, name)
         super().__init__(backbone, info, members, name)
+        self.set_data_order(data_order)
         self.rank, self.init_gain = rank, float(init_gain)
         self.alpha = None if alpha is None else float(alpha)
         self.scaling = 1.0 if alpha is None else float(alpha) / rank
@@ -143,5 +146,6 @@ class LoRAEnsemble(EnsembleMethod):
         return super().settings() | {
             "rank": self.rank, "init_gain": self.init_gain, "alpha": self.alpha,
             "scaling": self.scaling, "targets": ",".join(self.targets),
+            "data_order": self.data_order,
             "replaced_layers": len(self.replaced), "qkv": self.qkv,
             "split_qkv_layers": sum(isinstance(m, SplitLoRALinear) for m in self.modules())}

@@ -135,13 +135,30 @@ def edge_note(runs: list[Run]) -> str | None:
     return f"{EDGE_MARK} chosen at the edge of its grid: {', '.join(keys)}" if keys else None
 
 
+WITHIN, OUTSIDE = "✓", "✗"
+
+
+def within_cell(values: np.ndarray, bound: float) -> str:
+    """A verdict column's cell (``within: bound``) from its setting's runs' values: ✓ when
+    every run has |value| ≤ bound, ✗ when none has, "k/n ✓" when k of n runs have, and "–"
+    when no run has a finite value (then it judges nothing)."""
+    finite = values[np.isfinite(values)]
+    if finite.size == 0:
+        return MISSING
+    k = int((np.abs(finite) <= bound).sum())
+    if k == finite.size:
+        return WITHIN
+    return OUTSIDE if k == 0 else f"{k}/{finite.size} {WITHIN}"
+
+
 def build_table(runs: list[Run], spec: dict[str, Any]) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(display table with formatted cells, numeric table with mean/std columns): one row per
     setting (the row keys' values, sorted: numbers first, in order), each column's mean, sample
     std (ddof=1) and count over the setting's runs, and ``seeds``, its distinct seeds. A setting
     whose runs used an edge choice shows :data:`EDGE_MARK` after its last row key. With
     ``failed_key``, a ``failed`` column counts the setting's runs without a finite value there
-    (a diverged or NaN run is a failure of its method, not a seed left out unnoticed)."""
+    (a diverged or NaN run is a failure of its method, not a seed left out unnoticed). A column
+    with ``within: b`` is a verdict instead of a mean: :func:`within_cell` of its runs."""
     rows, cols = spec["rows"], spec["columns"]
     settings = [setting_of(run, spec) for run in runs]
     order = sorted(set(settings), key=lambda s: tuple(sort_key(v) for v in s))
@@ -170,6 +187,11 @@ def build_table(runs: list[Run], spec: dict[str, Any]) -> tuple[pd.DataFrame, pd
                             for i, r in enumerate(rows)})
     for j, c in enumerate(cols):
         title, fmt = c["title"], c.get("fmt", ".4g")
+        if "within" in c:  # a verdict, per setting, on each of its runs' values
+            verdicts = [within_cell(frame.loc[frame["setting"] == i, f"c{j}"].to_numpy(float),
+                                    float(c["within"])) for i in range(len(order))]
+            shown[title] = numeric[title] = verdicts
+            continue
         mean, std, n = (stats[f"c{j}_{k}"].to_numpy() for k in ("mean", "std", "count"))
         shown[title] = [_cell(m, s, k, fmt) for m, s, k in zip(mean, std, n, strict=True)]
         numeric[f"{title} mean"], numeric[f"{title} std"] = mean, std

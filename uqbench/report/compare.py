@@ -14,7 +14,8 @@ two rows have different seeds, which the ``seeds`` cell reports as a disagreemen
   a spread counts s = 0), or when |m_A − m_B| ≤ one unit of the last digit shown (each side's
   mean may be off its shown value by half a unit): the allowed difference is the larger;
 - a cell without a spread on either side (one seed, or every seed the same, the ``seeds``
-  column, a paper value): the two must be equal as shown;
+  column, a paper value, a verdict column's ✓/✗, the ``failed`` count): the two must be equal
+  as shown;
 - a cell with no value ("–") agrees only with a cell with no value.
 
 The command prints each experiment's summary and every disagreeing cell with both values and
@@ -91,9 +92,13 @@ def read_table(folder: Path, experiment: str) -> Table:
     if not values or columns[-1] != SEEDS:
         raise ValueError(f"{csv_path} is not a table of uqbench-tables (it needs '<title> "
                          f"mean' and '<title> std' columns and '{SEEDS}' last)")
-    titles = columns[: columns.index(f"{values[0]} mean")]
+    first = columns.index(f"{values[0]} mean")
+    titles = columns[:first]
+    derived = {f"{v} {k}" for v in values for k in ("mean", "std")}
+    texts = [c for c in columns[first:]  # verdicts (✓/✗), failures: compared as shown
+             if c not in derived and not c.endswith(PAPER) and c != SEEDS]
     shown = _markdown_columns(md_path)
-    expected = [*titles, *values, *(c for c in columns if c.endswith(PAPER)), SEEDS]
+    expected = [*titles, *values, *texts, *(c for c in columns if c.endswith(PAPER)), SEEDS]
     absent = [c for c in expected if c not in shown]
     if absent or any(len(cells) != len(frame) for cells in shown.values()):
         raise ValueError(f"{md_path} and {csv_path.name} are not one table (columns "
@@ -108,7 +113,7 @@ def read_table(folder: Path, experiment: str) -> Table:
     for title in values:
         table.means[title] = [_number(v) for v in frame[f"{title} mean"]]
         table.stds[title] = [_number(v) for v in frame[f"{title} std"]]
-    for title in [*values, *(c for c in columns if c.endswith(PAPER)), SEEDS]:
+    for title in [*values, *texts, *(c for c in columns if c.endswith(PAPER)), SEEDS]:
         table.shown[title] = shown[title]
     return table
 
@@ -159,7 +164,7 @@ def compare_cell(row: tuple[str, ...], column: str, a: Table, i: int, b: Table, 
                  ) -> Cell:
     """Row ``i`` of ``a`` against row ``j`` of ``b`` in ``column``, by the module's rule."""
     shown_a, shown_b = a.shown[column][i], b.shown[column][j]
-    if column not in a.means:  # seeds, a paper value: no spread
+    if column not in a.means:  # seeds, a paper value, a verdict, failures: no spread
         return Cell(row, column, shown_a, shown_b, shown_a == shown_b, note="equal as shown")
     m_a, m_b = a.means[column][i], b.means[column][j]
     if math.isnan(m_a) or math.isnan(m_b):

@@ -11,6 +11,7 @@ config keeps the spec its runs copied into results.json. The spec::
       title: "…"
       rows:    [{key: settings.backbone.width, title: width, fmt: ".0f"}, …]  # dotted paths
       columns: [{key: metrics.test/nll, title: test NLL, fmt: ".3f", scale: 1}, …]
+               # {key: …, title: …, within: 2}: a verdict, ✓ when every run has |value| ≤ 2
       paper:   [{row: {method: sve}, values: {ACC: 95.4}}, …]        # optional reference numbers
       figure:  {x: params.trainable, y: [metrics.test/nll], hue: settings.method.variance,
                 facet: settings.backbone.depth, xscale: log}   # hue, facet: a key or a list
@@ -19,6 +20,9 @@ config keeps the spec its runs copied into results.json. The spec::
 
 A spec with ``claims`` also gets ``<experiment>_claims.md``/``.csv``: each claim of the paper,
 the measurement that tests it and whether it holds (:mod:`uqbench.report.claims`).
+
+A verdict column (``within: b``) judges each run's value by the rule |value| ≤ b and shows
+✓ (every run of the row), ✗ (none) or "k/n ✓"; the CSV holds the same text.
 
 Paper values are matched on row titles and shown in a "<column> (paper)" column beside ours.
 Tables read only results.json files, never a logger.

@@ -108,6 +108,10 @@ def check_spec(spec: Any) -> None:
         except (TypeError, ValueError) as err:
             raise InvalidResults(f"table {kind} '{entry['title']}' has a bad fmt or "
                                  f"scale") from err
+    for c in spec["columns"]:
+        if "within" in c and not (is_number(c["within"]) and c["within"] > 0):
+            raise InvalidResults(f"table column '{c['title']}' has within: {c['within']!r}; "
+                                 f"it must be a positive number (the bound on |value|)")
     if not isinstance(spec.get("scorings", False), bool):
         raise InvalidResults("table.scorings is not true or false")
     paper = spec.get("paper") or []
