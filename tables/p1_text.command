@@ -1,6 +1,6 @@
 # p1_text.md, p1_text.tex, p1_text.csv, p1_text.png, p1_text_shift.md, p1_text_shift.tex, p1_text_shift.csv, p1_text_claims.md, p1_text_claims.csv, p1_text_claims.tex were made by (run from the folder the paths are relative to):
-uqbench-tables --runs runs --out tables --experiment p1_text
-# from 55 results.json under runs:
+uqbench-tables --runs /tmp/again_runs --out /tmp/again_tables --experiment p1_text
+# from 55 results.json under /tmp/again_runs:
 #   p1_text/movie_sentences/be_m4/minilm/seed0/results.json
 #   p1_text/movie_sentences/be_m4/minilm/seed1/results.json
 #   p1_text/movie_sentences/be_m4/minilm/seed2/results.json
@@ -11,11 +11,11 @@ uqbench-tables --runs runs --out tables --experiment p1_text
 #   p1_text/movie_sentences/blob_s4_r8/minilm/seed2/results.json
 #   p1_text/movie_sentences/blob_s4_r8/minilm/seed3/results.json
 #   p1_text/movie_sentences/blob_s4_r8/minilm/seed4/results.json
-#   p1_text/movie_sentences/de_m4/minilm/seed0/results.json
-#   p1_text/movie_sentences/de_m4/minilm/seed1/results.json
-#   p1_text/movie_sentences/de_m4/minilm/seed2/results.json
-#   p1_text/movie_sentences/de_m4/minilm/seed3/results.json
-#   p1_text/movie_sentences/de_m4/minilm/seed4/results.json
+#   p1_text/movie_sentences/de_m4_independent/minilm/seed0/results.json
+#   p1_text/movie_sentences/de_m4_independent/minilm/seed1/results.json
+#   p1_text/movie_sentences/de_m4_independent/minilm/seed2/results.json
+#   p1_text/movie_sentences/de_m4_independent/minilm/seed3/results.json
+#   p1_text/movie_sentences/de_m4_independent/minilm/seed4/results.json
 #   p1_text/movie_sentences/laplace_lora_r8/minilm/seed0/results.json
 #   p1_text/movie_sentences/laplace_lora_r8/minilm/seed1/results.json
 #   p1_text/movie_sentences/laplace_lora_r8/minilm/seed2/results.json

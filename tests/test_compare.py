@@ -196,17 +196,26 @@ def test_tables_from_uqbench_tables(tmp_path, capsys):
 def test_a_verdict_or_failure_column_is_compared_as_shown(tmp_path, capsys):
     """A verdict (✓/✗, written as text in the CSV) and the failed count have no mean: a
     rerun that flips a verdict disagrees, one that keeps it agrees."""
-    header = "method,M,ACC mean,ACC std,within,failed,seeds"
-    md_header = "| method | M | ACC | within | failed | seeds |\n|:--|:--|:--|:--|:--|:--|"
-    a = write(tmp_path / "a", ["sve,4,95.0,1.2,✓,0,3"], ["| sve | 4 | 95.0 ± 1.2 | ✓ | 0 | 3 |"],
+    header = "method,M,ACC mean,ACC std,within,seeds,failed"  # failed after seeds, as written
+    md_header = "| method | M | ACC | within | seeds | failed |\n|:--|:--|:--|:--|:--|:--|"
+    a = write(tmp_path / "a", ["sve,4,95.0,1.2,✓,3,0"], ["| sve | 4 | 95.0 ± 1.2 | ✓ | 3 | 0 |"],
               header=header, md_header=md_header)
-    same = write(tmp_path / "same", ["sve,4,95.1,1.2,✓,0,3"],
-                 ["| sve | 4 | 95.1 ± 1.2 | ✓ | 0 | 3 |"], header=header, md_header=md_header)
+    same = write(tmp_path / "same", ["sve,4,95.1,1.2,✓,3,0"],
+                 ["| sve | 4 | 95.1 ± 1.2 | ✓ | 3 | 0 |"], header=header, md_header=md_header)
     code, out = run(capsys, a, same)
     assert code == 0 and "1 rows × 4 columns, 4 cells: 4 agree" in out
-    flipped = write(tmp_path / "flipped", ["sve,4,95.0,1.2,2/3 ✓,1,3"],
-                    ["| sve | 4 | 95.0 ± 1.2 | 2/3 ✓ | 1 | 3 |"], header=header,
+    flipped = write(tmp_path / "flipped", ["sve,4,95.0,1.2,2/3 ✓,3,1"],
+                    ["| sve | 4 | 95.0 ± 1.2 | 2/3 ✓ | 3 | 1 |"], header=header,
                     md_header=md_header)
     code, out = run(capsys, a, flipped)
     assert code == 1
     assert "within: A ✓, B 2/3 ✓" in out and "failed: A 0, B 1" in out
+
+
+def test_a_table_that_ends_otherwise_is_refused(tmp_path, capsys):
+    header = "method,M,ACC mean,ACC std,seeds,notes"
+    md_header = "| method | M | ACC | seeds | notes |\n|:--|:--|:--|:--|:--|"
+    a = write(tmp_path / "a", ["sve,4,95.0,1.2,3,x"], ["| sve | 4 | 95.0 ± 1.2 | 3 | x |"],
+              header=header, md_header=md_header)
+    code, out = run(capsys, a, a)
+    assert code != 0

@@ -39,6 +39,7 @@ from uqbench.errors import user_errors
 
 SPREAD = " ± "
 SEEDS = "seeds"
+FAILED = "failed"  # a table with failed_key: its runs without a finite value
 PAPER = " (paper)"
 
 
@@ -89,9 +90,10 @@ def read_table(folder: Path, experiment: str) -> Table:
     columns = list(frame.columns)
     values = [c[: -len(" mean")] for c in columns
               if c.endswith(" mean") and f"{c[: -len(' mean')]} std" in columns]
-    if not values or columns[-1] != SEEDS:
+    if not values or SEEDS not in columns or set(columns[columns.index(SEEDS) + 1:]) - {FAILED}:
         raise ValueError(f"{csv_path} is not a table of uqbench-tables (it needs '<title> "
-                         f"mean' and '<title> std' columns and '{SEEDS}' last)")
+                         f"mean' and '<title> std' columns and '{SEEDS}' last, or before "
+                         f"'{FAILED}')")
     first = columns.index(f"{values[0]} mean")
     titles = columns[:first]
     derived = {f"{v} {k}" for v in values for k in ("mean", "std")}
