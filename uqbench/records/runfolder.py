@@ -34,7 +34,9 @@ import yaml
 
 from uqbench.identity import differences
 
-PUBLISHED = ("config.yaml", "results.json", "predictions", "figure.png", "checkpoint.ckpt", "eval")
+# what one attempt writes (a failed attempt: its failed.json), dropped when the next publishes
+PUBLISHED = ("config.yaml", "results.json", "predictions", "figure.png", "checkpoint.ckpt", "eval",
+             "failed.json")
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 
 log = logging.getLogger("uqbench")

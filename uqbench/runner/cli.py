@@ -21,8 +21,9 @@ import hydra
 from omegaconf import DictConfig
 
 from uqbench.errors import traceback_wanted, user_errors
-from uqbench.runner import engine, objective
+from uqbench.runner import engine, objective, outcomes
 from uqbench.runner.eval_job import eval_job, scored_folder
+from uqbench.runner.outcomes import RunFailed
 from uqbench.runner.parts import check_config
 from uqbench.runner.stacked import stacked_job, stacked_seeds
 from uqbench.runner.train_job import train_job
@@ -77,11 +78,17 @@ def _drop_log_only_folder(cfg: DictConfig) -> None:
 def _hydra_main(cfg: DictConfig) -> float | None:
     """One job; returns its validation objective (``objective``) for a sweeper that reads it."""
     with _stops(cfg), user_errors(on_error=lambda: _drop_log_only_folder(cfg)):
+        stored = _stored_results(cfg)
         try:
             outcome = run(cfg)
+        except RunFailed as failed:
+            return _failed(failed)
         except NonFiniteLossError as err:
             return _diverged(err)
         runs = outcome if isinstance(outcome, list) else [outcome]
+        reused = stored is not None and stored == _stored_results(cfg)
+        for results in runs:
+            outcomes.record("reused" if reused else "done", results.get("run", cfg.run_dir))
         # a stacked job's objective: its members' mean
         values = ([objective.value(cfg.get("objective"), results) for results in runs]
                   if cfg.get("job", "train") == "train" else [])
@@ -92,6 +99,46 @@ def _hydra_main(cfg: DictConfig) -> float | None:
                    if k.split("/")[0] in ("test", "ood") and k.count("/") == 1}
         print(f"{results['run']}: " + ", ".join(f"{k}={v}" for k, v in summary.items()))
     return value
+
+
+def _stored_results(cfg: DictConfig) -> int | None:
+    """The stored results.json's modification time (ns), or None: tells a reused run from a
+    trained one."""
+    try:
+        return (Path(str(cfg.run_dir)) / "results.json").stat().st_mtime_ns
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _failed(failed: RunFailed) -> float | None:
+    """A run that failed after its work started: its folder gets failed.json and its log the
+    traceback, its sweep records it and goes on. A single run's failure is the command's: one
+    line, status 1. A diverged trial of a sweep that reads the objective reports the worst
+    value (:func:`_diverged`)."""
+    if traceback_wanted():
+        raise failed.cause
+    path = outcomes.write_failed(failed)
+    log.error("run failed: %s (record: %s)", failed, path)
+    _to_log_file(failed.trace)
+    outcomes.record("failed", failed.run_dir, outcomes.reason(failed.cause))
+    if isinstance(failed.cause, NonFiniteLossError) and objective.sweeper_direction():
+        return _diverged(failed.cause)
+    print(f"FAILED {failed} (record: {path})", file=sys.stderr)
+    if outcomes.sweep_dir() is None:
+        sys.exit(1)
+    return None
+
+
+def _to_log_file(text: str) -> None:
+    """``text`` into the job's log file only (the console keeps its one line per failure)."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and handler.stream is not None:
+            handler.acquire()
+            try:
+                handler.stream.write(text)
+                handler.flush()
+            finally:
+                handler.release()
 
 
 def _diverged(err: NonFiniteLossError) -> float:

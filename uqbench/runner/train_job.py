@@ -35,9 +35,10 @@ from uqbench.identity import differences
 from uqbench.records.loggers import Logger, NullLogger, RunLabels, log_results, run_labels
 from uqbench.records.results import group_choices, group_settings, run_header, write_stage
 from uqbench.records.runfolder import ConfigMismatchError, RunExistsError, RunFolder
-from uqbench.runner import checkpoints, engine, objective, parts
+from uqbench.runner import checkpoints, engine, objective, outcomes, parts
 from uqbench.runner.engine import resolve_device
 from uqbench.runner.evaluation import Splits, evaluate, forward_cost
+from uqbench.runner.outcomes import RunFailed
 from uqbench.runner.parts import (
     build_parts,
     environment,
@@ -113,11 +114,14 @@ def _launch(cfg: DictConfig, folder: RunFolder) -> dict[str, Any]:
 
 
 def reuse(cfg: DictConfig, folder: RunFolder) -> dict[str, Any] | None:
-    """A finished run's results skip_existing may return; None: run. Refuses another config."""
-    kept = folder.reuse(_resolved(cfg), cfg.overwrite, cfg.skip_existing)
+    """A finished run's results skip_existing may return; None: run. Refuses another config.
+    In a multirun a finished run of the same configuration is always reused (overwrite=true
+    replaces it), so that the same sweep again retrains only its failed and missing runs."""
+    in_sweep = outcomes.sweep_dir() is not None
+    kept = folder.reuse(_resolved(cfg), cfg.overwrite, bool(cfg.skip_existing) or in_sweep)
     if kept is not None:
-        log.info("skip: %s holds this configuration's results (skip_existing=true)",
-                 folder.run_dir)
+        log.info("skip: %s holds this configuration's results (%s)", folder.run_dir,
+                 "skip_existing=true" if cfg.skip_existing else "a sweep reuses them")
     return kept
 
 
@@ -203,6 +207,8 @@ def _train(fabric: Any, cfg: DictConfig, folder: RunFolder, trainer: Any, header
             return train if rank0 else None
         return conclude(cfg, folder, config, header, trainer, fabric, fallback, built, train,
                         logger, rank0)
+    except (Exception, SystemExit) as err:  # the work had started: a failed run, not a mistake
+        raise RunFailed(folder.run_dir, err) from err
     finally:
         logger.finish(failed=True)  # a no-op after a published run closed it: this one failed
 
