@@ -216,3 +216,15 @@ def test_mc_dropout_runs_stored_before_the_mask_option_drew_torch_masks():
     assert differences(stored, old) == []
     assert differences(stored, new) == [
         "method.masks: '<absent>' (stored) → 'fast' (requested)"]
+
+
+def test_the_default_job_names_no_folder_level(compose_cfg):
+    """job=train is the default job, and job=eval scores the run it names: neither is part of
+    the run folder's path, so `-m job=train,eval` scores the runs it trains."""
+    from uqbench.configs import identity_overrides
+
+    cfg = compose_cfg([])
+    assert identity_overrides(["job=train", "seed=1", "trainer.epochs=3"], cfg) == [
+        "trainer.epochs=3"]
+    assert identity_overrides(["job=eval", "trainer.epochs=3"], cfg) == ["trainer.epochs=3"]
+    assert identity_overrides(["job=params"], cfg) == ["job=params"]  # a record of its own

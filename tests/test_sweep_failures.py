@@ -125,3 +125,18 @@ def test_a_mistake_found_before_any_work_still_stops_the_sweep_at_once(tmp_path)
     assert "'nope' is not a split" in proc.stderr and "sweep:" not in proc.stderr
     assert not list((tmp_path / "runs").rglob("failed.json"))
     assert not list((tmp_path / "runs").rglob("results.json"))
+
+
+@pytest.mark.slow
+def test_train_and_eval_in_one_multirun_score_the_runs_they_trained(tmp_path):
+    proc = uqbench(tmp_path, "-m", "job=train,eval", "seed=0,1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = folders(tmp_path)
+    assert sorted(runs) == ["seed0", "seed1"]  # no job=train level in the path
+    for run in runs.values():
+        assert "job=" not in str(run)
+        assert (run / "results.json").is_file()
+        assert len(list((run / "eval").glob("polynomial*/results.json"))) == 1
+    assert "sweep: 4 runs: 4 done, 0 reused, 0 failed" in proc.stderr
+    again = uqbench(tmp_path, "-m", "job=train,eval", "seed=0,1")
+    assert again.returncode == 0 and "sweep: 4 runs: 0 done, 4 reused, 0 failed" in again.stderr

@@ -51,8 +51,10 @@ def identity_overrides(overrides: list[str], root: DictConfig) -> list[str]:
     keep = []
     for override in overrides:
         key = override.split("=", 1)[0].lstrip("+~")
-        if override.lstrip("+") == "job=eval":
-            continue  # scoring names the run it scores; it has no folder of its own
+        if override.lstrip("+") in ("job=eval", "job=train"):
+            # scoring names the run it scores (no folder of its own), and train is the default
+            # job: `-m job=train,eval` trains the run that its scoring then finds
+            continue
         # hydra/launcher=joblib → hydra.launcher
         if key in shown or key.endswith(".name") or kept_apart_override(key.replace("/", "."),
                                                                         speed):

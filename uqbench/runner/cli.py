@@ -102,10 +102,14 @@ def _hydra_main(cfg: DictConfig) -> float | None:
 
 
 def _stored_results(cfg: DictConfig) -> int | None:
-    """The stored results.json's modification time (ns), or None: tells a reused run from a
-    trained one."""
+    """The modification time (ns) of the results.json this job writes (a scoring's in its own
+    folder, Hydra's output folder of the job), or None: tells a reused run from a new one."""
+    from hydra.core.hydra_config import HydraConfig
+
     try:
-        return (Path(str(cfg.run_dir)) / "results.json").stat().st_mtime_ns
+        folder = (HydraConfig.get().runtime.output_dir if HydraConfig.initialized()
+                  else cfg.run_dir)
+        return (Path(str(folder)) / "results.json").stat().st_mtime_ns
     except (OSError, ValueError, KeyError):
         return None
 

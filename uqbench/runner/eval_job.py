@@ -35,7 +35,7 @@ from uqbench.records.runfolder import (
     finished,
     stored_differences,
 )
-from uqbench.runner import checkpoints
+from uqbench.runner import checkpoints, outcomes
 from uqbench.runner.engine import resolve_device
 from uqbench.runner.evaluation import Splits, predict_splits, score
 from uqbench.runner.parts import build_parts, environment, method_diagnostics, seed_and_threads
@@ -162,9 +162,10 @@ def _resolved(value: Any) -> Any:
 def _kept(cfg: DictConfig, out: Path, requested: dict[str, Any]) -> dict[str, Any] | None:
     """The stored results where skip_existing keeps them; None where this job scores.
 
-    skip_existing keeps only a scoring of the same configuration: one whose stored config
-    differs from ``requested`` (a scoring option whose default changed since, a scored run
-    trained again) is refused with the differences, before any work; overwrite=true scores
+    skip_existing (and a multirun, always) keeps only a scoring of the same configuration:
+    one whose stored config differs from ``requested`` (a scoring option whose default
+    changed since, a scored run trained again) is refused with the differences, before any
+    work; overwrite=true scores
     again and replaces it. The folder's name shows only the options the command named, so
     this is what keeps a stale scoring from passing for today's."""
     if not (out / "results.json").is_file() or cfg.overwrite:
@@ -174,7 +175,7 @@ def _kept(cfg: DictConfig, out: Path, requested: dict[str, Any]) -> dict[str, An
             f"{out} holds a scoring of another configuration:\n  " + "\n  ".join(diff)
             + "\nskip_existing=true keeps only the same configuration's: pass overwrite=true "
               "to score it again (the stored scoring is replaced)")
-    if cfg.skip_existing:
+    if cfg.skip_existing or outcomes.sweep_dir() is not None:  # a multirun reuses it
         kept: dict[str, Any] = json.loads((out / "results.json").read_text())
         return kept
     raise RunExistsError(f"{out}/results.json already exists: overwrite=true replaces "
