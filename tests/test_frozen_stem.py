@@ -118,45 +118,20 @@ def test_streams_stack_stream_major_and_split_back():
     assert torch.equal(second["input_ids"], b[0]["input_ids"])
 
 
-def test_deep_ensemble_members_see_their_own_batch_orders(cfg, tmp_path):
-    """Two epochs of fake_text with data_order=independent: each member sees every training
-    sentence once per epoch, and no two members see them in the same order."""
+def sentences_of(input_ids: torch.Tensor) -> list[tuple]:
+    """Each row's token ids without padding: the sentence it holds."""
+    return [tuple(r[r != 0].tolist()) for r in input_ids]
+
+
+def assert_own_batch_orders(cfg, method: str, watch) -> None:
+    """Two epochs of fake_text with three members of ``method``: ``watch(m, seen)`` hooks the
+    built method so that training inputs of member k land in ``seen[k]``. Each member must see
+    every training sentence once per epoch, and no two members in the same order."""
     from uqbench.records.loggers import NullLogger
     from uqbench.tasks.classification import ClassificationTask
 
-    c = cfg("method=deep_ensemble", "method.members=3", "method.data_order=independent",
+    c = cfg(f"method={method}", "method.members=3", "method.data_order=independent",
             "dataset=fake_text", "trainer=p1", "trainer.epochs=2")
-    torch.manual_seed(0)
-    data = instantiate(c.dataset)
-    backbone = tiny()
-    data.setup(backbone)
-    m = instantiate(c.method)(backbone=backbone, info=data.info)
-    seen: list[list[tuple]] = [[] for _ in range(3)]
-    for k, enc in enumerate(m.de_encoders):
-        enc.register_forward_pre_hook(
-            lambda mod, args, k=k: seen[k].extend(
-                tuple(r[r != 0].tolist()) for r in args[0]["input_ids"]) if mod.training
-            else None)
-    trainer = instantiate(c.trainer, progress=False, val_every=100)
-    trainer.fit(m, data, ClassificationTask(), NullLogger())
-    n = len(data.dataset("train"))
-    sentences = sorted(tuple(r[r != 0].tolist()) for inputs, _ in data.loader("train")
-                       for r in inputs["input_ids"])
-    for member in seen:
-        assert len(member) == 2 * n
-        assert sorted(member[:n]) == sentences and sorted(member[n:]) == sentences
-    assert seen[0] != seen[1] and seen[1] != seen[2] and seen[0] != seen[2]
-
-
-def test_lora_ensemble_members_see_their_own_batch_orders(cfg):
-    """LoRA-Ensemble with data_order=independent, two epochs of fake_text: member m's rows of
-    every step (one encoder, M·B rows, member-major) cover every training sentence once per
-    epoch, in an order no other member sees."""
-    from uqbench.records.loggers import NullLogger
-    from uqbench.tasks.classification import ClassificationTask
-
-    c = cfg("method=lora_ensemble_independent", "method.members=3", "dataset=fake_text",
-            "trainer=p1", "trainer.epochs=2")
     torch.manual_seed(0)
     data = instantiate(c.dataset)
     backbone = tiny()
@@ -164,22 +139,40 @@ def test_lora_ensemble_members_see_their_own_batch_orders(cfg):
     m = instantiate(c.method)(backbone=backbone, info=data.info)
     assert m.data_streams() == 3 and m.settings()["data_order"] == "independent"
     seen: list[list[tuple]] = [[] for _ in range(3)]
-
-    def record(mod, args):
-        if mod.training:
-            for k, rows in enumerate(split_rows(args[0], 3)):
-                seen[k].extend(tuple(r[r != 0].tolist()) for r in rows["input_ids"])
-
-    m.encoder.register_forward_pre_hook(record)
+    watch(m, seen)
     trainer = instantiate(c.trainer, progress=False, val_every=100)
     trainer.fit(m, data, ClassificationTask(), NullLogger())
     n = len(data.dataset("train"))
-    sentences = sorted(tuple(r[r != 0].tolist()) for inputs, _ in data.loader("train")
-                       for r in inputs["input_ids"])
+    sentences = sorted(s for inputs, _ in data.loader("train")
+                       for s in sentences_of(inputs["input_ids"]))
     for member in seen:
         assert len(member) == 2 * n
         assert sorted(member[:n]) == sentences and sorted(member[n:]) == sentences
     assert seen[0] != seen[1] and seen[1] != seen[2] and seen[0] != seen[2]
+
+
+def test_deep_ensemble_members_see_their_own_batch_orders(cfg):
+    """Each encoder copy's training inputs are its member's."""
+    def watch(m, seen):
+        for k, enc in enumerate(m.de_encoders):
+            enc.register_forward_pre_hook(
+                lambda mod, args, k=k: seen[k].extend(sentences_of(args[0]["input_ids"]))
+                if mod.training else None)
+
+    assert_own_batch_orders(cfg, "deep_ensemble", watch)
+
+
+def test_lora_ensemble_members_see_their_own_batch_orders(cfg):
+    """One encoder, M·B rows per step, member-major: member k's rows are the k-th block."""
+    def watch(m, seen):
+        def record(mod, args):
+            if mod.training:
+                for k, rows in enumerate(split_rows(args[0], 3)):
+                    seen[k].extend(sentences_of(rows["input_ids"]))
+
+        m.encoder.register_forward_pre_hook(record)
+
+    assert_own_batch_orders(cfg, "lora_ensemble_independent", watch)
 
 
 def test_on_their_own_streams_each_member_is_scored_on_its_own_batch(cfg):

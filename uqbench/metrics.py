@@ -245,7 +245,7 @@ def ood_scores(member_probs: torch.Tensor, aggregation: Aggregation = "mean_prob
     entropy, its ``mean_logits`` look-alike, is no mutual information and goes negative.)
     """
     mean = aggregate(member_probs, aggregation)
-    mixture = member_probs.double().mean(0)
+    mixture = mean if aggregation == "mean_probs" else aggregate(member_probs, "mean_probs")
     return {
         "msp": -mean.double().max(-1).values,
         "entropy": entropy(mean),

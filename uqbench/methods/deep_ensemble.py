@@ -49,7 +49,6 @@ import copy
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from uqbench.backbones.base import Backbone, stem_parameters
@@ -133,19 +132,10 @@ class DeepEnsemble(EnsembleMethod):
         head.sets = 1
         self.members = 1
 
-    def data_streams(self) -> int:
-        """Independently shuffled training batches per step: M with ``data_order:
-        independent`` (one per member), else 1."""
-        return self.members if self.data_order == "independent" else 1
-
     def loss(self, batch: Batch) -> torch.Tensor:
         """(1/M) Σ_m CE(logits_m, y); a member job: its share, CE_k / M (module docstring).
-        Independent data order: member m's logits against stream m's labels (y (M·B,))."""
-        if self.training and self.data_streams() > 1:
-            inputs, y = batch
-            logits = self(inputs)                                                # (M, B, C)
-            M, B, C = logits.shape
-            return F.cross_entropy(logits.reshape(M * B, C).float(), y)
+        Independent data order: member m's logits against stream m's labels (y (M·B,)), as
+        ``EnsembleMethod.loss`` reads its own streams (never in a member job)."""
         return super().loss(batch) / (self.ensemble_members if self.member is not None else 1)
 
     def _copy_encoder(self) -> None:
@@ -207,7 +197,7 @@ class DeepEnsemble(EnsembleMethod):
             return f.repeat(self.members, 1)
         if self.vectorize:
             return self._stacked_features(inputs)
-        if self.training and self.data_streams() > 1:  # stream m's rows are member m's batch
+        if self._own_streams():  # stream m's rows are member m's batch
             chunks = split_rows(inputs, self.members)
             return torch.cat([enc(x) for enc, x in zip(self.de_encoders, chunks, strict=True)])
         return torch.cat([enc(inputs) for enc in self.de_encoders])              # (M·B, D)

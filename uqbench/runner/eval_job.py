@@ -165,9 +165,9 @@ def _kept(cfg: DictConfig, out: Path, requested: dict[str, Any]) -> dict[str, An
     skip_existing (and a multirun, always) keeps only a scoring of the same configuration:
     one whose stored config differs from ``requested`` (a scoring option whose default
     changed since, a scored run trained again) is refused with the differences, before any
-    work; overwrite=true scores
-    again and replaces it. The folder's name shows only the options the command named, so
-    this is what keeps a stale scoring from passing for today's."""
+    work; overwrite=true scores again and replaces it. The folder's name shows only the
+    options the command named, so this is what keeps a stale scoring from passing for
+    today's."""
     if not (out / "results.json").is_file() or cfg.overwrite:
         return None
     if diff := stored_differences(out, requested):

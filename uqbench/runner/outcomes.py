@@ -18,7 +18,6 @@ reason; the command then exits with status 1 if any run failed.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 import time
@@ -32,8 +31,6 @@ from omegaconf import DictConfig
 FAILED = "failed.json"
 OUTCOMES = "outcomes.jsonl"
 STATUSES = ("done", "reused", "failed")
-
-log = logging.getLogger("uqbench")
 
 
 class RunFailed(Exception):
