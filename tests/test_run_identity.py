@@ -179,7 +179,8 @@ def test_added_keys_take_the_value_older_runs_used():
                      "method.masks": "torch", "trainer.select_metric": "nll",
                      "task.conformal_alpha": 0.1, "task.conformal": ["thr", "aps"],
                      "task.conformal_score": "normalized", "method.covariance": "diagonal",
-                     "method.mixture_modes": 2, "method.mixture_nodes": 8}
+                     "method.mixture_modes": 2, "method.mixture_nodes": 8,
+                     "method.data_order": "shared"}
     assert set(ADDED_KEYS) - set(fixed) == {"method.mixture_link_nodes"}
     assert differences({"trainer": {}}, {"trainer": {"precision": "32"}}) == []
     # a BNN run stored before method.covariance existed propagated the diagonal moments
@@ -193,6 +194,9 @@ def test_added_keys_take_the_value_older_runs_used():
     assert differences({"task": task}, {"task": dict(today, conformal_alpha=0.2)}) != []
     assert differences({"trainer": {}}, {"trainer": {"select_metric": "nll"}}) == []
     assert differences({"trainer": {}}, {"trainer": {"select_metric": "acc"}}) != []
+    # a LoRA-Ensemble or Deep Ensemble run stored before data_order trained on shared batches
+    assert differences({"method": {}}, {"method": {"data_order": "shared"}}) == []
+    assert differences({"method": {}}, {"method": {"data_order": "independent"}}) != []
 
 
 def test_a_learned_mixture_scoring_stored_before_the_noise_split_closed_a2_as_one_gaussian():

@@ -54,7 +54,8 @@ ENGINE_LAYOUT = ("strategy", "devices", "num_nodes", "accumulate", "activation_c
 # rest of the stored config (a function of its dotted keys): the noise term's split
 # (mixture_link_nodes) acts only in a learned-variance mixture scoring, and such a scoring
 # stored before the key closed a₂ as one Gaussian per component, which is 0; elsewhere the key
-# is inert and counts as its default.
+# is inert and counts as its default. data_order: shared is how the Deep Ensemble's and
+# LoRA-Ensemble's members always trained (one mini-batch for all) before the key existed.
 def _link_nodes_before_the_split(flat: dict[str, Any]) -> int:
     mixed = flat.get("method.covariance") == "mixture" and flat.get("method.variance") == "learned"
     return 0 if mixed else 8
@@ -66,7 +67,8 @@ ADDED_KEYS: dict[str, Any] = {"trainer.precision": "32", "method.rank": None,
                               "task.conformal_score": "normalized",
                               "method.covariance": "diagonal", "method.mixture_modes": 2,
                               "method.mixture_nodes": 8,
-                              "method.mixture_link_nodes": _link_nodes_before_the_split}
+                              "method.mixture_link_nodes": _link_nodes_before_the_split,
+                              "method.data_order": "shared"}
 
 
 def added_value(flat: dict[str, Any], key: str) -> Any:
