@@ -101,40 +101,56 @@ lint: $(STAMP)  ## Lint with ruff, then type-check uqbench with mypy (settings i
 clean-runs:  ## Delete runs/ (asks first)
 	@read -p "Delete everything under runs/? [y/N] " a && [ "$$a" = y ] && rm -rf runs/*/ || echo kept
 
-.PHONY: digits-pretrain p1-digits-select p1-digits-lr p1-digits p1-digits-conventions
-digits-pretrain: $(STAMP)  ## Pretrain the digits ViTs (3 pretrained levels x 3 seeds, and the random level's probes); print each validation probe
+.PHONY: digits-pretrain digits-pretrain-first p1-digits-select p1-digits-lr p1-digits p1-digits-conventions
+digits-pretrain: $(STAMP)  ## Pretrain the digits ViTs (3 pretrained levels x 5 seeds, and the random level's probes); print each validation probe
 	$(BIN)/uqbench-pretrain --jobs 2
+
+digits-pretrain-first: $(STAMP)  ## Pretrain the digits ViTs of the first protocol (OOD classes 0-4 seen, kind pool labels; 3 seeds)
+	$(BIN)/uqbench-pretrain --jobs 2 --seeds 0 1 2 --ood-classes none --kind-targets labels
 
 DIGITS_SWEEP := skip_existing=true trainer.progress=false hydra/launcher=local
 
-# One sweep per method family, each on its grid in conf/experiment/p1_digits_select.yaml
-# (validation only), then the choice written to the recipe file that experiment=p1_digits reads.
+# The selection sweep (every method, level and grid point of conf/experiment/p1_digits_select.yaml,
+# validation only), then the choice written to the recipe file that experiment=p1_digits reads.
 p1-digits-select: digits-pretrain  ## The digits benchmark's selection sweep (validation only); writes conf/recipe/p1_digits.yaml
 	$(BIN)/uqbench experiment=p1_digits_select $(DIGITS_SWEEP)
-	$(BIN)/uqbench experiment=p1_digits_select method=lora_ensemble $(DIGITS_SWEEP)
-	$(BIN)/uqbench experiment=p1_digits_select method=sve $(DIGITS_SWEEP)
-	$(BIN)/uqbench experiment=p1_digits_select method=svf $(DIGITS_SWEEP)
-	@# the choices the family grids left at an edge, each grid extended one step past it
-	$(BIN)/uqbench experiment=p1_digits_select method=sve,svf backbone=digits_vit_foundation \
-		trainer.optimizer.lr=3e-3 trainer.decay_to=zero,init $(DIGITS_SWEEP)
-	$(BIN)/uqbench experiment=p1_digits_select method=deep_ensemble backbone=digits_vit_near \
-		trainer.optimizer.lr=3e-2 $(DIGITS_SWEEP)
-	$(BIN)/uqbench-select p1_digits_select --metric val/nll \
-		--key trainer.optimizer.lr --key trainer.decay_to --write conf/recipe/p1_digits.yaml
+	$(BIN)/uqbench-select p1_digits_select --metric val/nll --key trainer.optimizer.lr \
+		--write conf/recipe/p1_digits.yaml
 
 p1-digits-lr: p1-digits-select  ## The former name of p1-digits-select
 
-p1-digits: digits-pretrain  ## P1 on real digits: 6 methods x 4 backbone levels x 3 seeds; table, claims, levels
+p1-digits: p1-digits-select  ## P1 on real digits: 6 methods x 4 backbone levels x 5 seeds (backbones, selection, runs); table, claims, levels
 	$(BIN)/uqbench experiment=p1_digits $(DIGITS_SWEEP)
 	$(BIN)/uqbench-tables --experiment p1_digits
 
+# The digits benchmark's first protocol (conf/experiment/p1_digits_first_protocol.yaml), whose
+# backbones and recipe the rank, baselines and conventions experiments below still read: one
+# sweep per method family, each on its grid in conf/experiment/p1_digits_first_select.yaml.
+.PHONY: p1-digits-first-select p1-digits-first
+p1-digits-first-select: digits-pretrain-first  ## The first protocol's selection sweep (validation only); writes conf/recipe/p1_digits_first.yaml
+	$(BIN)/uqbench experiment=p1_digits_first_select $(DIGITS_SWEEP)
+	$(BIN)/uqbench experiment=p1_digits_first_select method=lora_ensemble $(DIGITS_SWEEP)
+	$(BIN)/uqbench experiment=p1_digits_first_select method=sve $(DIGITS_SWEEP)
+	$(BIN)/uqbench experiment=p1_digits_first_select method=svf $(DIGITS_SWEEP)
+	@# the choices the family grids left at an edge, each grid extended one step past it
+	$(BIN)/uqbench experiment=p1_digits_first_select method=sve,svf backbone=digits_vit_foundation \
+		trainer.optimizer.lr=3e-3 trainer.decay_to=zero,init $(DIGITS_SWEEP)
+	$(BIN)/uqbench experiment=p1_digits_first_select method=deep_ensemble backbone=digits_vit_near \
+		trainer.optimizer.lr=3e-2 $(DIGITS_SWEEP)
+	$(BIN)/uqbench-select p1_digits_first_select --metric val/nll \
+		--key trainer.optimizer.lr --key trainer.decay_to --write conf/recipe/p1_digits_first.yaml
+
+p1-digits-first: digits-pretrain-first  ## The first protocol's P1 on digits: 6 methods x 4 levels x 3 seeds; table, claims, levels
+	$(BIN)/uqbench experiment=p1_digits_first $(DIGITS_SWEEP)
+	$(BIN)/uqbench-tables --experiment p1_digits_first
+
 .PHONY: p1-digits-rank
-p1-digits-rank: digits-pretrain  ## Top-k SVE on digits (k = 1 … 64, other and foundation levels, 3 seeds): the accuracy top-k costs; table
+p1-digits-rank: digits-pretrain-first  ## Top-k SVE on digits (k = 1 … 64, other and foundation levels, 3 seeds): the accuracy top-k costs; table
 	$(BIN)/uqbench experiment=p1_digits_rank $(DIGITS_SWEEP)
 	$(BIN)/uqbench-tables --experiment p1_digits_rank
 
 .PHONY: p1-digits-baselines-select p1-digits-baselines
-p1-digits-baselines-select: digits-pretrain  ## Selection sweep (validation only) of the methods P1 compares against, on digits; writes conf/recipe/p1_digits_baselines.yaml
+p1-digits-baselines-select: digits-pretrain-first  ## Selection sweep (validation only) of the methods P1 compares against, on digits; writes conf/recipe/p1_digits_baselines.yaml
 	@# one method per command: a sweep reads the grid of the method its command names
 	for m in batch_ensemble blob map_lora; do \
 		$(BIN)/uqbench experiment=p1_digits_baselines_select method=$$m $(DIGITS_SWEEP) || exit 1; done
@@ -144,11 +160,11 @@ p1-digits-baselines-select: digits-pretrain  ## Selection sweep (validation only
 	$(BIN)/uqbench-select p1_digits_baselines_select --metric val/nll \
 		--key trainer.optimizer.lr --key trainer.decay_to --write conf/recipe/p1_digits_baselines.yaml
 
-p1-digits-baselines: digits-pretrain  ## BatchEnsemble, BLoB, MAP LoRA, Laplace-LoRA, last-layer Laplace on digits at every level; table
+p1-digits-baselines: digits-pretrain-first  ## BatchEnsemble, BLoB, MAP LoRA, Laplace-LoRA, last-layer Laplace on digits at every level; table
 	$(BIN)/uqbench experiment=p1_digits_baselines $(DIGITS_SWEEP)
 	$(BIN)/uqbench-tables --experiment p1_digits_baselines
 
-p1-digits-conventions: digits-pretrain  ## P1's code conventions on the foundation-grade digits level; table and claims
+p1-digits-conventions: digits-pretrain-first  ## P1's code conventions on the foundation-grade digits level; table and claims
 	$(BIN)/uqbench experiment=p1_digits_conventions $(DIGITS_SWEEP)
 	$(BIN)/uqbench-tables --experiment p1_digits_conventions
 

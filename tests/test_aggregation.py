@@ -144,7 +144,7 @@ def test_the_conventions_experiment_labels_each_setting_and_keeps_p1_digits(
     overrides = ["backbone=digits_vit_foundation", "method=lora_ensemble", "seed=2"]
     ours = compose_cfg(["experiment=p1_digits_conventions", *overrides,
                         f"task.aggregation={aggregation}", f"trainer.select_metric={metric}"])
-    theirs = compose_cfg(["experiment=p1_digits", *overrides])
+    theirs = compose_cfg(["experiment=p1_digits_first", *overrides])
     assert ours.variant == variant
     assert (ours.task.aggregation, ours.trainer.select_metric) == (aggregation, metric)
     assert ours.trainer.select == "best"
@@ -152,7 +152,8 @@ def test_the_conventions_experiment_labels_each_setting_and_keeps_p1_digits(
     assert ours.trainer.decay_to == theirs.trainer.decay_to
     sweep = compose_cfg(["experiment=p1_digits_conventions"], return_hydra_config=True)
     params = sweep.hydra.sweeper.params
-    digits = compose_cfg(["experiment=p1_digits"], return_hydra_config=True).hydra.sweeper.params
+    digits = compose_cfg(["experiment=p1_digits_first"],
+                         return_hydra_config=True).hydra.sweeper.params
     assert params["method"] == "single,sve,deep_ensemble,lora_ensemble"
     # P1's regime only: the foundation-grade level, which p1_digits sweeps too, same seeds
     assert params["backbone"] == "digits_vit_foundation"

@@ -381,13 +381,13 @@ def p1_runs() -> list[dict]:
 
 def test_the_p1_spec_evaluates_every_claim_per_backbone_level(tmp_path):
     claims = _yaml("conf/claims/p1.yaml")
-    table = _yaml("conf/experiment/p1_digits.yaml")["table"]
+    table = _yaml("conf/experiment/p1_digits_first.yaml")["table"]
     spec = ({k: table[k] for k in ("title", "rows", "columns")} | claims
             | {"claims_by": "settings.backbone.level"})
     check_spec(spec)
     assert claims["confidence"] == 0.90
     # each side names a method the benchmark runs, as its runs record it (the config option)
-    swept = _yaml("conf/experiment/p1_digits.yaml")["hydra"]["sweeper"]["params"]["method"]
+    swept = _yaml("conf/experiment/p1_digits_first.yaml")["hydra"]["sweeper"]["params"]["method"]
     named = {c[side]["method"] for c in claims["claims"] for side in ("a", "b")}
     assert named <= set(swept.split(",")) and set(P1_METHODS) == set(swept.split(","))
     shorts = [c["short"] for c in claims["claims"]]

@@ -40,9 +40,41 @@ def make(**kwargs) -> DigitsData:
 
 # --- splits ------------------------------------------------------------------------------------
 
-def test_splits_are_disjoint_stratified_and_of_the_documented_sizes():
+def test_default_ood_is_every_image_of_classes_no_level_pretrains_on():
     _, labels = digit_images(32)
     splits = digits_splits(labels, split_seed=0)
+    sizes = {k: len(v) for k, v in splits.items()}
+    # every image of 0–2 pretrains, every image of 3 and 4 is OOD (counts: scikit-learn's)
+    assert sizes["pretrain"] == COUNTS[:3].sum() == 537 and sizes["ood"] == COUNTS[3:5].sum()
+    assert set(labels[splits["pretrain"]]) == {0, 1, 2} and set(labels[splits["ood"]]) == {3, 4}
+    assert (sizes["kind"], sizes["train"], sizes["val"], sizes["test"]) == (224, 269, 134, 269)
+    every = np.concatenate(list(splits.values()))
+    assert len(np.unique(every)) == len(every) == len(labels)
+    # the downstream splits are the first protocol's: ood_classes only moves 0–4
+    first = digits_splits(labels, split_seed=0, ood_classes=None)
+    assert all(np.array_equal(splits[k], first[k]) for k in ("kind", "train", "val", "test"))
+    for bad in ([], [0, 1, 2, 3, 4], [7], "three"):
+        with pytest.raises(ValueError, match="dataset.ood_classes"):
+            digits_splits(labels, ood_classes=bad)
+
+
+def test_no_level_pretrains_on_an_ood_image_or_class(monkeypatch, tmp_path):
+    from uqbench.backbones.digits_vit import level_recipe
+    from uqbench.runner import pretrain as module
+
+    _, labels = digit_images(32)
+    split = {"split_seed": 0, "kind_fraction": 0.25, "ood_classes": [3, 4]}
+    splits = digits_splits(labels)
+    for level in ("other", "near", "foundation"):
+        idx, _, _ = module.pretraining_images(level_recipe(level) | {"seed": 0}, split)
+        assert not set(labels[idx]) & {3, 4}, level  # no image of an OOD class, any level
+        assert not set(idx) & set(np.concatenate([splits[k] for k in ("ood", "train", "val",
+                                                                      "test")]))
+
+
+def test_splits_are_disjoint_stratified_and_of_the_documented_sizes():
+    _, labels = digit_images(32)
+    splits = digits_splits(labels, split_seed=0, ood_classes=None)  # the first protocol
     n_up, n_down = COUNTS[:5].sum(), COUNTS[5:].sum()  # 901, 896
     # sklearn rounds a fractional test part up (ceil(901/3)); the 5–9 parts are whole counts
     n_ood = math.ceil(n_up / 3)
@@ -63,8 +95,9 @@ def test_splits_are_disjoint_stratified_and_of_the_documented_sizes():
     assert (set(labels[splits["train"]]) == set(labels[splits["test"]])
             == set(labels[splits["kind"]]) == {5, 6, 7, 8, 9})
     # fixed across calls (model seeds never enter), different for another split seed
-    assert all(np.array_equal(v, digits_splits(labels, 0)[k]) for k, v in splits.items())
-    assert not np.array_equal(splits["ood"], digits_splits(labels, 1)["ood"])
+    assert all(np.array_equal(v, digits_splits(labels, 0, ood_classes=None)[k])
+               for k, v in splits.items())
+    assert not np.array_equal(splits["ood"], digits_splits(labels, 1, ood_classes=None)["ood"])
 
 
 def test_images_labels_and_preprocessing():
@@ -85,15 +118,17 @@ def test_images_labels_and_preprocessing():
     expected = (images[idx].transpose(0, 3, 1, 2) / 255 - MEAN[0]) / STD[0]  # backbone mean/std
     np.testing.assert_allclose(x.numpy(), expected, atol=1e-5)
     ood_idx = data.split_indices()["ood"]
-    assert set(raw.target[ood_idx]) == {0, 1, 2, 3, 4} and len(data.dataset("ood")) == 301
+    assert set(raw.target[ood_idx]) == {3, 4} and len(data.dataset("ood")) == 364
     assert data.info.num_classes == 5 and data.eval_splits == ("test",)
 
 
 def test_max_per_split_keeps_a_class_balanced_head():
     data = make(max_per_split=10)
-    for split in ("train", "val", "test", "ood"):
+    for split in ("train", "val", "test"):
         _, y = data.dataset(split).tensors
         assert np.bincount(y.numpy() % 5).tolist() == [2, 2, 2, 2, 2]
+    _, y = data.dataset("ood").tensors  # digits 3 and 4
+    assert np.bincount(y.numpy(), minlength=5).tolist() == [0, 0, 0, 5, 5]
 
 
 def test_preprocessed_splits_are_cached_per_transform_and_never_shared_writable():
@@ -220,7 +255,8 @@ def test_a_level_that_saw_the_downstream_kind_reads_only_the_kind_pool_besides(m
     seen = {}
 
     def fake_train(recipe, split, seed, max_images, log):
-        seen["idx"], seen["classes"] = module.pretraining_images(recipe, split, max_images)
+        seen["idx"], seen["targets"], seen["classes"] = module.pretraining_images(
+            recipe | {"seed": seed}, split, max_images)
         raise RuntimeError("stop")  # only the data matters here
 
     monkeypatch.setattr(module, "train_supervised", fake_train)
@@ -228,14 +264,26 @@ def test_a_level_that_saw_the_downstream_kind_reads_only_the_kind_pool_besides(m
         module.pretrain("foundation", tmp_path, seed=1)
     _, labels = digit_images(32)
     splits = digits_splits(labels)
-    assert set(seen["idx"]) == set(splits["pretrain"]) | set(splits["kind"])  # 600 + 224
-    assert seen["classes"] == 10
+    assert set(seen["idx"]) == set(splits["pretrain"]) | set(splits["kind"])  # 537 + 224
+    assert seen["classes"] == 3 + 10  # digits 0–2, then 10 clusters of the kind pool
     assert not set(seen["idx"]) & (set(splits["train"]) | set(splits["val"])
                                    | set(splits["test"]) | set(splits["ood"]))
-    near, classes = module.pretraining_images({"kind_images": 25}, {"split_seed": 0,
-                                                                     "kind_fraction": 0.25})
-    extra = np.setdiff1d(near, splits["pretrain"])
+    # the kind pool's targets are k-means clusters of its pixels (scikit-learn's KMeans run
+    # here, seeded by the pretraining seed), never its labels; the other digits keep theirs
+    from sklearn.cluster import KMeans
+
+    idx, targets = seen["idx"], seen["targets"]
+    kind = np.isin(idx, splits["kind"])
+    expected = KMeans(n_clusters=10, n_init=10, random_state=1).fit_predict(
+        load_digits().data[idx[kind]])
+    assert np.array_equal(targets[kind], 3 + expected)
+    assert np.array_equal(targets[~kind], labels[idx[~kind]])  # 0, 1, 2
+    # the first protocol: the kind pool by its labels, ten-way, beside 0–4
+    first = {"split_seed": 0, "kind_fraction": 0.25}
+    near, near_targets, classes = module.pretraining_images({"kind_images": 25}, first)
+    extra = np.setdiff1d(near, digits_splits(labels, ood_classes=None)["pretrain"])
     assert classes == 10 and np.bincount(labels[extra], minlength=10)[5:].tolist() == [5] * 5
+    assert np.array_equal(near_targets, labels[near])
 
 
 def test_random_level_weights_follow_the_pretraining_seed_not_the_run_state(tmp_path):

@@ -134,9 +134,9 @@ def test_the_identity_is_defined_once():
 def test_a_lookup_table_is_no_part_of_the_identity(compose_cfg):
     """p1_digits reads its learning rates from lookup.digits_recipe: another entry edited
     leaves a run reusable, the entry the run read is in its resolved lr."""
-    overrides = ["experiment=p1_digits", "backbone=digits_vit_other", "method=single"]
+    overrides = ["experiment=p1_digits_first", "backbone=digits_vit_other", "method=single"]
     cfg = _resolved(compose_cfg, overrides)
-    recipe = yaml.safe_load((ROOT / "conf" / "recipe" / "p1_digits.yaml").read_text())
+    recipe = yaml.safe_load((ROOT / "conf" / "recipe" / "p1_digits_first.yaml").read_text())
     lr = recipe["choices"]["digits_vit_other"]["single"]["lr"]  # the file's entry for the run
     assert cfg["trainer"]["optimizer"]["lr"] == lr
     assert not any(k.startswith("lookup") for k in identity(cfg))
@@ -155,7 +155,7 @@ def test_a_lookup_table_is_no_part_of_the_identity(compose_cfg):
 def test_runs_stored_before_the_lookup_rule_stay_reusable(compose_cfg):
     """Runs of p1_digits and p1_digits_rank stored their lookup table at the top level: the
     same run as today's config, even with an entry since edited."""
-    for experiment in ("p1_digits", "p1_digits_rank"):
+    for experiment in ("p1_digits_first", "p1_digits_rank"):
         cfg = _resolved(compose_cfg, [f"experiment={experiment}"])
         stored = copy.deepcopy(cfg)
         table = "digits_recipe"
@@ -165,11 +165,11 @@ def test_runs_stored_before_the_lookup_rule_stay_reusable(compose_cfg):
 
 
 def test_the_table_layout_is_no_part_of_the_identity_nor_of_the_path(compose_cfg):
-    cfg = _resolved(compose_cfg, ["experiment=p1_digits"])
+    cfg = _resolved(compose_cfg, ["experiment=p1_digits_first"])
     edited = copy.deepcopy(cfg)
     edited["table"]["title"] = "another title"
     assert differences(cfg, edited) == []
-    overrides = ["experiment=p1_digits", "table.title=another"]
+    overrides = ["experiment=p1_digits_first", "table.title=another"]
     assert identity_overrides(["table.title=another"], compose_cfg(overrides)) == []
 
 
@@ -180,7 +180,8 @@ def test_added_keys_take_the_value_older_runs_used():
                      "task.conformal_alpha": 0.1, "task.conformal": ["thr", "aps"],
                      "task.conformal_score": "normalized", "method.covariance": "diagonal",
                      "method.mixture_modes": 2, "method.mixture_nodes": 8,
-                     "method.data_order": "shared"}
+                     "method.data_order": "shared", "dataset.ood_classes": None,
+                     "backbone.ood_classes": None, "backbone.kind_targets": "labels"}
     assert set(ADDED_KEYS) - set(fixed) == {"method.mixture_link_nodes"}
     assert differences({"trainer": {}}, {"trainer": {"precision": "32"}}) == []
     # a BNN run stored before method.covariance existed propagated the diagonal moments

@@ -243,7 +243,7 @@ def test_the_sweep_with_one_scoring_on_test_is_refused(sweep, tmp_path, capsys):
 
 # --- experiments read the recipe file ----------------------------------------------------------
 
-RECIPE = ROOT / "conf" / "recipe" / "p1_digits.yaml"
+RECIPE = ROOT / "conf" / "recipe" / "p1_digits_first.yaml"  # the first protocol's
 
 
 def _swept(compose_cfg, experiment: str, key: str) -> list[str]:
@@ -255,9 +255,9 @@ def _swept(compose_cfg, experiment: str, key: str) -> list[str]:
 @pytest.mark.slow  # composes every backbone × method of the sweep
 def test_p1_digits_reads_each_learning_rate_from_the_recipe_file(compose_cfg):
     choices = yaml.safe_load(RECIPE.read_text())["choices"]
-    for backbone in _swept(compose_cfg, "p1_digits", "backbone"):
-        for method in _swept(compose_cfg, "p1_digits", "method"):
-            cfg = compose_cfg(["experiment=p1_digits", f"backbone={backbone}",
+    for backbone in _swept(compose_cfg, "p1_digits_first", "backbone"):
+        for method in _swept(compose_cfg, "p1_digits_first", "method"):
+            cfg = compose_cfg(["experiment=p1_digits_first", f"backbone={backbone}",
                                f"method={method}"])
             entry = choices[backbone][cfg.method.name]
             assert cfg.trainer.optimizer.lr == entry["lr"], (backbone, method)
@@ -268,9 +268,10 @@ def test_p1_digits_reads_each_learning_rate_from_the_recipe_file(compose_cfg):
     (None, 1e-4, 1e-2, "null"),                # full fine-tuning (the default sweep)
     ("lora_ensemble", 3e-4, 3e-2, "null"),
     ("sve", 1e-2, 1.0, "zero,init"), ("svf", 1e-2, 1.0, "zero,init")])
-def test_the_selection_sweep_takes_its_family_grid_and_scores_val_only(compose_cfg, method, low,
-                                                                       high, decay):
-    cfg = compose_cfg(["experiment=p1_digits_select", *([f"method={method}"] if method else [])],
+def test_the_first_selection_sweep_takes_its_family_grid_and_scores_val_only(compose_cfg, method,
+                                                                             low, high, decay):
+    cfg = compose_cfg(["experiment=p1_digits_first_select",
+                       *([f"method={method}"] if method else [])],
                       return_hydra_config=True)
     assert list(cfg.eval_splits) == ["val"]
     params = OmegaConf.to_container(cfg.hydra.sweeper.params, resolve=True)
@@ -280,13 +281,35 @@ def test_the_selection_sweep_takes_its_family_grid_and_scores_val_only(compose_c
     assert np.all(np.abs(steps - 0.5) < 0.03)
     assert params["trainer.decay_to"] == decay
     # it chooses for every backbone level the benchmark runs
-    assert set(_swept(compose_cfg, "p1_digits", "backbone")) <= set(params["backbone"].split(","))
+    assert set(_swept(compose_cfg, "p1_digits_first", "backbone")) <= set(
+        params["backbone"].split(","))
+
+
+def test_the_selection_sweep_gives_every_method_the_same_three_candidates(compose_cfg):
+    """One tuning budget: every method and level of experiment=p1_digits gets 3 learning rates,
+    half a decade apart, and nothing else is swept; it scores validation only."""
+    swept = {k: _swept(compose_cfg, "p1_digits", k) for k in ("backbone", "method")}
+    select = compose_cfg(["experiment=p1_digits_select"], return_hydra_config=True)
+    params = OmegaConf.to_container(select.hydra.sweeper.params, resolve=True)
+    assert set(params) == {"backbone", "method", "grid_point", "seed"}
+    assert params["grid_point"].split(",") == ["low", "mid", "high"] and str(params["seed"]) == "0"
+    assert set(params["backbone"].split(",")) == set(swept["backbone"])
+    assert set(params["method"].split(",")) == set(swept["method"])
+    for method in swept["method"]:
+        lrs = []
+        for point in ("low", "mid", "high"):
+            cfg = compose_cfg(["experiment=p1_digits_select", f"method={method}",
+                               f"grid_point={point}"])
+            assert list(cfg.eval_splits) == ["val"] and cfg.trainer.decay_to is None
+            lrs.append(float(cfg.trainer.optimizer.lr))
+        steps = np.log10(np.array(lrs[1:]) / np.array(lrs[:-1]))
+        assert np.all(np.abs(steps - 0.5) < 0.03), (method, lrs)
 
 
 def test_the_recipe_is_no_part_of_a_runs_identity(compose_cfg):
     """A re-selection that picks the same values (new provenance, new scores) leaves the runs
     reusable; one that picks another value changes the runs that read it."""
-    cfg = OmegaConf.to_container(compose_cfg(["experiment=p1_digits", "method=svf"]),
+    cfg = OmegaConf.to_container(compose_cfg(["experiment=p1_digits_first", "method=svf"]),
                                  resolve=True)
     backbone, lr = cfg["backbone"]["name"], cfg["trainer"]["optimizer"]["lr"]
     again = copy.deepcopy(cfg)
@@ -325,12 +348,12 @@ def test_a_run_records_the_recipe_entry_it_used_with_its_edge_keys():
 
 def test_a_p1_digits_run_records_its_entry_of_the_recipe_file(compose_cfg):
     recipe = yaml.safe_load(RECIPE.read_text())
-    cfg = compose_cfg(["experiment=p1_digits", "method=svf"])
+    cfg = compose_cfg(["experiment=p1_digits_first", "method=svf"])
     config = OmegaConf.to_container(cfg, resolve=True)
     backbone = str(cfg.backbone.name)
     chosen = recipe["choices"][backbone]["svf"]
     used = recipes_used(config, _settings(backbone, "svf", chosen["lr"], chosen.get("decay_to")))
-    assert used == {"digits_recipe": {"file": "conf/recipe/p1_digits.yaml",
+    assert used == {"digits_recipe": {"file": "conf/recipe/p1_digits_first.yaml",
                                       "group": [backbone, "svf"], "choices": chosen,
                                       "edge": recipe["groups"][backbone]["svf"]["edge"]}}
 

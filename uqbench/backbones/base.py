@@ -68,8 +68,8 @@ class Backbone:
     feature_dropout: str | None = None
     # Tokens per text example (text datasets truncate and pad to it); None: not a text backbone.
     max_length: int | None = None
-    # The digits split the weights were pretrained on ({split_seed, kind_fraction}; the digits
-    # dataset must use the same); None: weights that saw no digits split.
+    # The digits split the weights were pretrained on ({split_seed, kind_fraction, ood_classes};
+    # the digits dataset must use the same); None: weights that saw no digits split.
     pretrain_split: dict[str, Any] | None = None
 
     def __init__(self, name: str, targets: Sequence[str] = (),

@@ -10,13 +10,20 @@ what each has seen; their quality is the linear probe on the downstream validati
 recorded per pretraining seed in each checkpoint's sidecar and in every run's results:
 
 - ``random``: timm's random initialisation under the pretraining seed; no checkpoint.
-- ``other``: supervised on the 600 pretraining images of the *other* digits 0–4 (never a 5–9),
-  60 epochs with random affine augmentation.
-- ``near``: the same recipe on those 600 images plus 25 of the kind pool (5 images of each
-  downstream digit 5–9 that no downstream split holds), ten-way: it has glimpsed the task's kind.
+- ``other``: supervised on the pretraining images of the *other* digits (0–2 by default, every
+  image of them; never a 5–9, never an OOD class), 60 epochs with random affine augmentation.
+- ``near``: the same recipe on those images plus 25 of the kind pool (5 images of each
+  downstream digit 5–9 that no downstream split holds): it has glimpsed the task's kind.
 - ``foundation``: the same recipe plus the whole kind pool (224 images of 5–9), as a foundation
   model has seen many flowers before it is fine-tuned on Flowers102; its frozen features are
   meant to be nearly as good as fine-tuning, the regime P1's claims are made in.
+
+How the kind pool is learnt (``kind_targets``): ``clusters`` (the default) without its labels,
+as a self-supervised foundation model learns: the pool's images are grouped by k-means on their
+pixels into :data:`KIND_CLUSTERS` clusters (over-clustering, as DeepCluster does; seeded by the
+pretraining seed) and the head learns to predict the cluster, beside the other digits' labels.
+``labels`` (the benchmark's first protocol): the pool's digit labels, ten-way: the level has
+then seen labelled images of the downstream classes.
 
 Each level is pretrained with several seeds (``pretrain_seed``; the benchmark pairs run seed k
 with pretraining seed k). A pretrained level's weights are a ``.safetensors`` file in
@@ -61,8 +68,9 @@ ARCHITECTURE: dict[str, Any] = {"img_size": 32, "patch_size": 8, "embed_dim": 64
                                 "global_pool": DESIGN["global_pool"]}
 # AdamW with a cosine schedule; `augment`: random rotation ±10°, shift ±10 %, scale 0.9–1.1.
 # `kind_images`: how many images of the kind pool (other images of the downstream digits 5–9,
-# never a downstream split; balanced over classes; null: all of it) join the 600 pretraining
-# images of 0–4; with any, the pretraining head has ten classes.
+# never a downstream split; balanced over classes; null: all of it) join the pretraining images
+# of the other digits, with their pixel clusters as targets (`kind_targets`: clusters) or their
+# digit labels (labels, the first protocol's).
 Level = Literal["random", "other", "near", "foundation"]
 RECIPES: dict[str, dict[str, Any] | None] = {
     "random": None,
@@ -74,10 +82,12 @@ RECIPES: dict[str, dict[str, Any] | None] = {
                    "batch_size": 32, "augment": DESIGN["augment"]},
 }
 LEVELS: tuple[str, ...] = get_args(Level)
+KindTargets = Literal["clusters", "labels"]
+KIND_CLUSTERS = 10  # k-means clusters of the kind pool (twice its five digits: over-clustering)
 FORMAT = 2  # bump when the pretraining code changes what a recipe produces
 SUBDIR = "digits_vit"
 # The digits split every level is pretrained on by default (= the digits dataset's defaults).
-DEFAULT_SPLIT: dict[str, Any] = {"split_seed": 0, "kind_fraction": 0.25}
+DEFAULT_SPLIT: dict[str, Any] = {"split_seed": 0, "kind_fraction": 0.25, "ood_classes": [3, 4]}
 
 
 @contextmanager
@@ -104,15 +114,31 @@ class CheckpointCorruptError(ValueError):
     """A cached checkpoint does not match its sidecar (truncated, altered or half-written)."""
 
 
-def pretrain_settings(level: str, split: dict[str, Any] | None = None, seed: int = 0,
-                      recipe: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Everything a level's weights depend on: the recipe (``recipe`` replaces the level's
-    own), the digits split it reads (``{split_seed, kind_fraction}``) and the seed."""
+def level_recipe(level: str, kind_targets: str = "clusters") -> dict[str, Any] | None:
+    """A level's recipe under ``kind_targets`` (None: the random level). The first protocol's
+    (labels) is the recipe as it was, so its checkpoints keep their fingerprints."""
     one_of("backbone.level", level, Level)
-    chosen = RECIPES[level] if recipe is None else recipe
+    one_of("backbone.kind_targets", kind_targets, KindTargets)
+    recipe = RECIPES[level]
+    if recipe is None:
+        return None
+    recipe = dict(recipe)
+    if kind_targets != "labels" and recipe.get("kind_images", 0) != 0:
+        recipe["kind_targets"] = kind_targets
+        recipe["kind_clusters"] = KIND_CLUSTERS
+    return recipe
+
+
+def pretrain_settings(level: str, split: dict[str, Any] | None = None, seed: int = 0,
+                      recipe: dict[str, Any] | None = None, kind_targets: str = "clusters"
+                      ) -> dict[str, Any]:
+    """Everything a level's weights depend on: the recipe (``recipe`` replaces the level's
+    own under ``kind_targets``), the digits split it reads (``{split_seed, kind_fraction,
+    ood_classes}``, see :func:`~uqbench.data.digits.split_dict`) and the seed."""
+    chosen = level_recipe(level, kind_targets) if recipe is None else recipe
     return {"format": FORMAT, "model": MODEL, "architecture": dict(ARCHITECTURE),
             "level": level, "recipe": None if chosen is None else dict(chosen),
-            "split": dict(DEFAULT_SPLIT if split is None else split), "seed": int(seed),
+            "split": normal_split(split), "seed": int(seed),
             "image_size": ARCHITECTURE["img_size"]}
 
 
@@ -130,12 +156,27 @@ def checkpoint_paths(cache_dir: str | Path, settings: dict[str, Any]) -> tuple[P
     return stem.with_suffix(".safetensors"), stem.with_suffix(".json")
 
 
-def build_command(level: str, cache_dir: str | Path, split: dict[str, Any] | None = None,
-                  seed: int = 0) -> str:
-    """The shell command that (re)builds ``level`` with ``seed`` in ``cache_dir``."""
+def normal_split(split: dict[str, Any] | None) -> dict[str, Any]:
+    """A split as checkpoints record it (:func:`~uqbench.data.digits.split_dict`; None: the
+    default); a split without ``ood_classes`` is the first protocol's (None)."""
+    from uqbench.data.digits import split_dict
+
     split = dict(DEFAULT_SPLIT if split is None else split)
-    extra = "".join(f" --{key.replace('_', '-')} {split[key]}" for key in DEFAULT_SPLIT
+    return split_dict(split["split_seed"], split["kind_fraction"], split.get("ood_classes"))
+
+
+def build_command(level: str, cache_dir: str | Path, split: dict[str, Any] | None = None,
+                  seed: int = 0, kind_targets: str = "clusters") -> str:
+    """The shell command that (re)builds ``level`` with ``seed`` in ``cache_dir``."""
+    split = normal_split(split)
+    extra = "".join(f" --{key.replace('_', '-')} {split[key]}" for key in ("split_seed",
+                                                                            "kind_fraction")
                     if split[key] != DEFAULT_SPLIT[key])
+    classes = split.get("ood_classes")
+    if classes != DEFAULT_SPLIT["ood_classes"]:
+        extra += " --ood-classes " + ("none" if classes is None else " ".join(map(str, classes)))
+    if kind_targets != "clusters":
+        extra += f" --kind-targets {kind_targets}"
     return f"uqbench-pretrain {level} --seeds {seed} --cache-dir {cache_dir}{extra}"
 
 
@@ -178,7 +219,8 @@ class DigitsViT(TimmViT):
     """The digits ViT at ``level`` (see the module docstring).
 
     cache_dir: where ``uqbench-pretrain`` put the checkpoints (``paths.cache_dir``).
-    split_seed, kind_fraction: the digits split it is pretrained on (must equal the dataset's).
+    split_seed, kind_fraction, ood_classes: the digits split it is pretrained on (must equal the
+    dataset's). kind_targets: how the kind pool is learnt (clusters | labels; module docstring).
     pretrain_seed: which of the level's pretrainings (the benchmark pairs run seed k with
     pretraining seed k, so the spread over seeds includes the backbone's own randomness); for
     the random level, the seed of timm's initialisation.
@@ -186,12 +228,16 @@ class DigitsViT(TimmViT):
 
     def __init__(self, name: str, level: Level, cache_dir: str | Path, split_seed: int = 0,
                  kind_fraction: float = 0.25, pretrain_seed: int = 0,
+                 ood_classes: Sequence[int] | None = (3, 4), kind_targets: str = "clusters",
                  targets: Sequence[str] = ("qkv", "proj", "fc1", "fc2"),
                  attention_targets: Sequence[str] = ("qkv", "proj")) -> None:
         self.level, self.cache_dir = level, Path(cache_dir).expanduser()
-        split = {"split_seed": int(split_seed), "kind_fraction": float(kind_fraction)}
-        self.pretrain_seed = int(pretrain_seed)
-        self.settings = pretrain_settings(level, split, self.pretrain_seed)
+        from uqbench.data.digits import split_dict
+
+        split = split_dict(split_seed, kind_fraction, ood_classes)
+        self.pretrain_seed, self.kind_targets = int(pretrain_seed), str(kind_targets)
+        self.settings = pretrain_settings(level, split, self.pretrain_seed,
+                                          kind_targets=self.kind_targets)
         pretrained = RECIPES[level] is not None
         weights, self.sidecar = checkpoint_paths(self.cache_dir, self.settings)
         super().__init__(name, MODEL, pretrained=pretrained,
@@ -223,7 +269,7 @@ class DigitsViT(TimmViT):
     def checkpoint_file(self) -> Path:
         """The verified weight file, or an error saying which command builds it."""
         command = build_command(self.level, self.cache_dir, self.settings["split"],
-                                self.pretrain_seed)
+                                self.pretrain_seed, self.kind_targets)
         if self.checkpoint is None or not self.checkpoint.is_file():
             raise FileNotFoundError(
                 f"backbone '{self.name}' has no pretrained checkpoint yet: {self.checkpoint} "

@@ -6,9 +6,13 @@ about 180 per class, shipped with scikit-learn.
 The ten classes are used twice, never overlapping (all splits stratified by class and seeded by
 ``split_seed``, fixed across model seeds):
 
-- classes 0–4 (901 images): two thirds (600) are the **pretraining** images of the digits ViTs
-  (``uqbench-pretrain``); the held-out third (301) is the **OOD** split ``ood``, images no
-  pretraining ever sees.
+- classes 0–4 (901 images) are the other digits, split by ``ood_classes``. With
+  ``ood_classes = (3, 4)`` (the default): every image of 0–2 (537) is a **pretraining** image of
+  the digits ViTs (``uqbench-pretrain``) and every image of 3 and 4 (364) is the **OOD** split
+  ``ood``, digits of classes no backbone level ever pretrains on. With ``ood_classes = None``
+  (the benchmark's first protocol): two thirds of 0–4 (600) are the pretraining images and the
+  held-out third (301) is ``ood``: unseen images, but of classes the pretrained levels were
+  trained to tell apart.
 - classes 5–9 (896 images), relabelled 0–4, are the **downstream** task. ``kind_fraction``
   (0.25: 224) of them is the **kind** pool: other images of the downstream classes, which only
   the foundation-grade backbone levels pretrain on (as a foundation model has seen flowers
@@ -48,9 +52,10 @@ from uqbench.data.cifar import resolve_severities
 from uqbench.data.image_base import ArrayImageDataset, ImageDataModule
 from uqbench.data.layout import SEVERITIES
 
-PRETRAIN_CLASSES = (0, 1, 2, 3, 4)    # pretraining + OOD
+OTHER_CLASSES = (0, 1, 2, 3, 4)       # pretraining + OOD
 DOWNSTREAM_CLASSES = (5, 6, 7, 8, 9)  # the fine-tuning task, relabelled 0–4
-OOD_FRACTION = 1 / 3                  # of classes 0–4 held out as `ood`
+OOD_CLASSES = (3, 4)                  # the default: OOD digits of classes no level pretrains on
+OOD_FRACTION = 1 / 3                  # ood_classes None: of classes 0–4 held out as `ood`
 DEFAULT_CORRUPTIONS = ("gaussian_noise", "defocus_blur", "fog", "contrast")
 
 
@@ -83,6 +88,28 @@ def check_fractions(val_fraction: float, test_fraction: float, kind_fraction: fl
                          f"[0, 1 - test_fraction - kind_fraction)")
 
 
+def check_ood_classes(ood_classes: Any) -> tuple[int, ...] | None:
+    """``dataset.ood_classes`` as a sorted tuple (None: the held-out third of 0–4), or an error
+    naming the value and the valid choices."""
+    if ood_classes is None:
+        return None
+    try:
+        classes = tuple(sorted({int(c) for c in ood_classes}))
+    except (TypeError, ValueError):
+        classes = ()
+    if not classes or not set(classes) < set(OTHER_CLASSES):
+        raise ValueError(f"dataset.ood_classes must be null or a non-empty proper subset of the "
+                         f"other digits {list(OTHER_CLASSES)} (the rest are the pretraining "
+                         f"classes), got {ood_classes!r}")
+    return classes
+
+
+def pretrain_classes(ood_classes: Any) -> tuple[int, ...]:
+    """The digits the pretrained levels are trained on under ``ood_classes``."""
+    classes = check_ood_classes(ood_classes)
+    return tuple(c for c in OTHER_CLASSES if classes is None or c not in classes)
+
+
 def _take(pool: np.ndarray, labels: np.ndarray, n: float, seed: int
           ) -> tuple[np.ndarray, np.ndarray]:
     """(rest, taken): ``n`` images of ``pool`` (a fraction of it when n < 1), stratified."""
@@ -95,16 +122,21 @@ def _take(pool: np.ndarray, labels: np.ndarray, n: float, seed: int
 
 
 def digits_splits(labels: np.ndarray, split_seed: int = 0, val_fraction: float = 0.15,
-                  test_fraction: float = 0.30, kind_fraction: float = 0.25
-                  ) -> dict[str, np.ndarray]:
+                  test_fraction: float = 0.30, kind_fraction: float = 0.25,
+                  ood_classes: Any = OOD_CLASSES) -> dict[str, np.ndarray]:
     """Indices into ``labels`` (N,) of the splits pretrain, ood (classes 0–4) and kind, train,
     val, test (classes 5–9): sorted, disjoint, each stratified by class. The fractions are of
     the images 5–9; ``kind`` is drawn first, so the downstream splits of any kind_fraction > 0
-    share one draw order."""
+    share one draw order. ``ood_classes``: the digits of 0–4 that are OOD, every image of them
+    (the others are all pretraining images); None: a stratified third of 0–4's images."""
     check_fractions(val_fraction, test_fraction, kind_fraction)
+    classes = check_ood_classes(ood_classes)
     idx = np.arange(len(labels))
-    up = np.isin(labels, PRETRAIN_CLASSES)
-    pretrain, ood = _take(idx[up], labels, OOD_FRACTION, split_seed)
+    up = np.isin(labels, OTHER_CLASSES)
+    if classes is None:
+        pretrain, ood = _take(idx[up], labels, OOD_FRACTION, split_seed)
+    else:
+        pretrain, ood = idx[up & ~np.isin(labels, classes)], idx[np.isin(labels, classes)]
     down = idx[~up]
     n = len(down)
     rest, kind = _take(down, labels, round(kind_fraction * n), split_seed)
@@ -112,6 +144,17 @@ def digits_splits(labels: np.ndarray, split_seed: int = 0, val_fraction: float =
     train, val = _take(rest, labels, round(val_fraction * n), split_seed)
     return {k: np.sort(v) for k, v in {"pretrain": pretrain, "ood": ood, "kind": kind,
                                        "train": train, "val": val, "test": test}.items()}
+
+
+def split_dict(split_seed: int, kind_fraction: float, ood_classes: Any) -> dict[str, Any]:
+    """The digits split a pretrained level is pretrained on: ``{split_seed, kind_fraction}``
+    and, unless None (the first protocol, whose checkpoints keep their names), ``ood_classes``
+    as a list."""
+    split: dict[str, Any] = {"split_seed": int(split_seed), "kind_fraction": float(kind_fraction)}
+    classes = check_ood_classes(ood_classes)
+    if classes is not None:
+        split["ood_classes"] = list(classes)
+    return split
 
 
 def balanced_head(indices: np.ndarray, labels: np.ndarray, n: int | None) -> np.ndarray:
@@ -189,7 +232,8 @@ def corrupt_images(images: np.ndarray, corruption: str, severity: int, seed: int
 
 
 class DigitsData(ImageDataModule):
-    """The digits benchmark: downstream classes 5–9, OOD = held-out 0–4, corruption splits.
+    """The digits benchmark: downstream classes 5–9, OOD = digits of 0–4 no level pretrained on
+    (``ood_classes``), corruption splits.
 
     See the module docstring for the splits. ``max_per_split`` keeps the first n images of each
     split, balanced over classes (smoke tests). ``augment`` defaults to false: flips and crops
@@ -201,7 +245,8 @@ class DigitsData(ImageDataModule):
     def __init__(self, name: str = "digits", image_size: int = 32, split_seed: int = 0,
                  val_fraction: float = 0.15, test_fraction: float = 0.30,
                  kind_fraction: float = 0.25, ood: bool = True,
-                 corruptions: Any = DEFAULT_CORRUPTIONS, severities: Any = SEVERITIES,
+                 ood_classes: Any = OOD_CLASSES, corruptions: Any = DEFAULT_CORRUPTIONS,
+                 severities: Any = SEVERITIES,
                  corruption_seed: int = 0, max_per_split: int | None = None,
                  augment: bool = False, hflip: float = 0.0, crop_pct: float | None = 1.0,
                  **kwargs: Any) -> None:
@@ -210,6 +255,7 @@ class DigitsData(ImageDataModule):
         self.val_fraction, self.test_fraction = float(val_fraction), float(test_fraction)
         self.kind_fraction = float(kind_fraction)
         check_fractions(self.val_fraction, self.test_fraction, self.kind_fraction)
+        self.ood_classes = check_ood_classes(ood_classes)
         if max_per_split is not None and int(max_per_split) < 1:
             raise ValueError(f"dataset.max_per_split must be >= 1 or null, got {max_per_split}")
         self.max_per_split = None if max_per_split is None else int(max_per_split)
@@ -228,7 +274,7 @@ class DigitsData(ImageDataModule):
     def pretrain_split(self) -> dict[str, Any]:
         """What a pretrained digits backbone must have been pretrained on to leave this
         dataset's downstream and OOD images unseen."""
-        return {"split_seed": self.split_seed, "kind_fraction": self.kind_fraction}
+        return split_dict(self.split_seed, self.kind_fraction, self.ood_classes)
 
     def setup(self, backbone: InputBackbone | None = None) -> None:
         seen = None if backbone is None else backbone.pretrain_split
@@ -236,16 +282,16 @@ class DigitsData(ImageDataModule):
             raise ValueError(
                 f"backbone '{backbone.name}' was pretrained on the digits split {seen}, but "
                 f"this dataset uses {self.pretrain_split()} (dataset.split_seed, "
-                f"dataset.kind_fraction): its pretraining images would fall into the "
-                f"downstream or OOD splits. Use the same values for both (backbone.split_seed, "
-                f"backbone.kind_fraction)")
+                f"dataset.kind_fraction, dataset.ood_classes): its pretraining images would "
+                f"fall into the downstream or OOD splits. Use the same values for both "
+                f"(backbone.split_seed, backbone.kind_fraction, backbone.ood_classes)")
         super().setup(backbone)
 
     def split_indices(self) -> dict[str, np.ndarray]:
         """Indices into :func:`digit_images` of every split (after ``max_per_split``)."""
         _, labels = digit_images(self.image_size)
         splits = digits_splits(labels, self.split_seed, self.val_fraction, self.test_fraction,
-                               self.kind_fraction)
+                               self.kind_fraction, self.ood_classes)
         return {k: balanced_head(v, labels, self.max_per_split) for k, v in splits.items()}
 
     def build(self, train_transform: Callable, eval_transform: Callable) -> dict[str, Dataset]:
@@ -275,7 +321,10 @@ class DigitsData(ImageDataModule):
             "image_size": self.image_size, "split_seed": self.split_seed,
             "val_fraction": self.val_fraction, "test_fraction": self.test_fraction,
             "kind_fraction": self.kind_fraction,
-            "ood": "digits 0-4 held out" if self.use_ood else None,
+            "ood": None if not self.use_ood else (
+                "digits 0-4 held out" if self.ood_classes is None
+                else "digits " + ",".join(map(str, self.ood_classes)) + " (no level saw them)"),
+            "ood_classes": None if self.ood_classes is None else list(self.ood_classes),
             "corruptions": list(self.corruptions), "severities": list(self.severities),
             "corruption_seed": self.corruption_seed, "max_per_split": self.max_per_split}
 

@@ -7,9 +7,10 @@
     uqbench-pretrain --design                   # choose the design on validation
 
 A pretrained level (:data:`~uqbench.backbones.digits_vit.RECIPES`) is trained supervised on the
-600 pretraining images (digits 0–4, :func:`~uqbench.data.digits.digits_splits`; never the
-downstream or OOD images), plus, for the levels that have seen the downstream kind, images of
-the kind pool (other images of 5–9, never a downstream split), with a linear head that is then
+pretraining images (the other digits, 0–2 by default, :func:`~uqbench.data.digits.digits_splits`;
+never the downstream or OOD images), plus, for the levels that have seen the downstream kind,
+images of the kind pool (other images of 5–9, never a downstream split) with their k-means
+clusters as targets (or, in the first protocol, their labels), with a linear head that is then
 dropped: the checkpoint holds the encoder only, as the DINO checkpoints do. It is written with
 its sidecar JSON, then loaded back through :class:`~uqbench.backbones.timm_vit.TimmViT` (timm's
 pretrained loader) for the probe. A cached, intact checkpoint is reused without training; a
@@ -54,6 +55,7 @@ from uqbench.backbones.digits_vit import (
     MODEL,
     build_command,
     checkpoint_paths,
+    normal_split,
     pretrain_settings,
     read_sidecar,
     verify_checkpoint,
@@ -63,11 +65,11 @@ from uqbench.backbones.timm_vit import TimmViT
 from uqbench.contracts import sha256_file
 from uqbench.data.digits import (
     DOWNSTREAM_CLASSES,
-    PRETRAIN_CLASSES,
     DigitsData,
     balanced_head,
     digit_images,
     digits_splits,
+    pretrain_classes,
 )
 from uqbench.data.image_base import ArrayImageDataset
 from uqbench.data.transforms import ImagePreprocessing
@@ -114,7 +116,8 @@ def linear_probe(encoder: nn.Module, split: dict[str, Any], max_images: int | No
     from sklearn.preprocessing import StandardScaler
 
     data = DigitsData(split_seed=int(split["split_seed"]),
-                      kind_fraction=float(split["kind_fraction"]), ood=False, corruptions=None,
+                      kind_fraction=float(split["kind_fraction"]),
+                      ood_classes=split.get("ood_classes"), ood=False, corruptions=None,
                       max_per_split=max_images)
     data.setup(_encoder_spec())
     (x_tr, y_tr), (x_val, y_val) = (_split_tensors(data, s) for s in ("train", "val"))
@@ -136,20 +139,47 @@ def _train_transform(preprocessing: ImagePreprocessing, augment: bool) -> Callab
 
 
 def pretraining_images(recipe: dict[str, Any], split: dict[str, Any],
-                       max_images: int | None = None) -> tuple[np.ndarray, int]:
-    """Indices into :func:`digit_images` a recipe trains on, and its number of classes: the
-    pretraining images of 0–4 and ``kind_images`` of the kind pool (5–9; null: all)."""
+                       max_images: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """What a recipe trains on: indices into :func:`digit_images`, the target of each (aligned
+    with the indices) and the number of targets. The pretraining images of the other digits keep
+    their digit (as 0 … n−1) and ``kind_images`` of the kind pool (5–9; null: all) join them,
+    targeted by their pixel clusters (``kind_targets: clusters``: k-means, never the labels) or
+    by their digit (no ``kind_targets``: the first protocol's)."""
     _, labels = digit_images(ARCHITECTURE["img_size"])
     splits = digits_splits(labels, int(split["split_seed"]),
-                           kind_fraction=float(split["kind_fraction"]))
+                           kind_fraction=float(split["kind_fraction"]),
+                           ood_classes=split.get("ood_classes"))
+    classes = pretrain_classes(split.get("ood_classes"))
     idx = balanced_head(splits["pretrain"], labels, max_images)
+    targets = np.searchsorted(np.asarray(classes), labels[idx])
     kind = recipe.get("kind_images", 0)
     if kind == 0:
-        return idx, len(PRETRAIN_CLASSES)
+        return idx, targets, len(classes)
     extra = balanced_head(splits["kind"], labels, None if kind is None else int(kind))
     if max_images is not None:
         extra = balanced_head(extra, labels, max_images)
-    return np.sort(np.concatenate([idx, extra])), len(PRETRAIN_CLASSES) + len(DOWNSTREAM_CLASSES)
+    if recipe.get("kind_targets", "labels") == "labels":
+        extra_targets = len(classes) + labels[extra] - DOWNSTREAM_CLASSES[0]
+        n = len(classes) + len(DOWNSTREAM_CLASSES)
+    else:
+        clusters = int(recipe["kind_clusters"])
+        extra_targets = len(classes) + kind_clusters(extra, clusters, int(recipe.get("seed", 0)))
+        n = len(classes) + clusters
+    order = np.argsort(np.concatenate([idx, extra]), kind="stable")
+    return (np.concatenate([idx, extra])[order], np.concatenate([targets, extra_targets])[order],
+            n)
+
+
+def kind_clusters(indices: np.ndarray, k: int, seed: int) -> np.ndarray:
+    """Cluster ids (0 … k−1) of the digits ``indices`` by k-means on their 8×8 pixels: the kind
+    pool's targets without its labels. ``seed``: k-means' initialisation (the pretraining
+    seed's, so the clustering is part of a level's randomness)."""
+    from sklearn.cluster import KMeans
+    from sklearn.datasets import load_digits
+
+    pixels = load_digits().data[indices]
+    k = min(int(k), len(indices))
+    return KMeans(n_clusters=k, n_init=10, random_state=int(seed)).fit_predict(pixels)
 
 
 def train_supervised(recipe: dict[str, Any], split: dict[str, Any], seed: int,
@@ -161,10 +191,12 @@ def train_supervised(recipe: dict[str, Any], split: dict[str, Any], seed: int,
 
     torch.manual_seed(int(seed))
     images, labels = digit_images(ARCHITECTURE["img_size"])
-    idx, classes = pretraining_images(recipe, split, max_images)
+    idx, targets, classes = pretraining_images(recipe | {"seed": int(seed)}, split, max_images)
+    full = np.full(len(labels), -1, dtype=np.int64)
+    full[idx] = targets  # the target of each pretraining image, by its index into the digits
     preprocessing = ImagePreprocessing.from_backbone(_encoder_spec(), crop_pct=1.0)
-    dataset = ArrayImageDataset(images, labels, _train_transform(preprocessing,
-                                                                 bool(recipe["augment"])), idx)
+    dataset = ArrayImageDataset(images, full, _train_transform(preprocessing,
+                                                               bool(recipe["augment"])), idx)
     loader = torch.utils.data.DataLoader(
         dataset, batch_size=int(recipe["batch_size"]), shuffle=True,
         generator=torch.Generator().manual_seed(int(seed)))
@@ -220,28 +252,29 @@ def deterministic(threads: int | None) -> Iterator[None]:
 def pretrain(level: str, cache_dir: str | Path, split: dict[str, Any] | None = None,
              seed: int = 0, force: bool = False, recipe: dict[str, Any] | None = None,
              max_images: int | None = None, threads: int | None = 1,
-             log: Callable[[str], None] = print) -> Pretrained:
+             log: Callable[[str], None] = print, kind_targets: str = "clusters") -> Pretrained:
     """Build ``level`` with pretraining ``seed`` in ``cache_dir`` (or reuse it when cached and
     intact).
 
-    split: the digits split ({split_seed, kind_fraction}; default: the dataset's defaults).
+    split: the digits split ({split_seed, kind_fraction, ood_classes}; default: the dataset's
+    defaults). kind_targets: how the kind pool is learnt (clusters | labels).
     recipe: replaces the level's recipe; max_images: pretraining and probe images per split
     (both for quick checks; both change the fingerprint, so they never shadow a real level).
     threads: torch threads while training; 1 by default: for this tiny model a second thread
     only adds synchronisation (a step is ~20× slower with 2 busy cores)."""
     with deterministic(threads):
-        return _pretrain(level, cache_dir, dict(DEFAULT_SPLIT if split is None else split),
-                         int(seed), force, recipe, max_images, log)
+        return _pretrain(level, cache_dir, normal_split(split), int(seed), force, recipe,
+                         max_images, log, kind_targets)
 
 
 def _pretrain(level: str, cache_dir: str | Path, split: dict[str, Any], seed: int, force: bool,
               recipe: dict[str, Any] | None, max_images: int | None,
-              log: Callable[[str], None]) -> Pretrained:
-    settings = pretrain_settings(level, split, seed, recipe)
+              log: Callable[[str], None], kind_targets: str) -> Pretrained:
+    settings = pretrain_settings(level, split, seed, recipe, kind_targets)
     if max_images is not None:
         settings["max_images"] = int(max_images)
     weights, sidecar = checkpoint_paths(cache_dir, settings)
-    rebuild = build_command(level, cache_dir, split, seed)
+    rebuild = build_command(level, cache_dir, split, seed, kind_targets)
     if settings["recipe"] is None:  # random: nothing to train; the sidecar holds the probe
         if not force and (meta := read_sidecar(sidecar)) is not None:
             return Pretrained(level, seed, None, sidecar, meta, built=False)
@@ -275,13 +308,15 @@ def _pretrain(level: str, cache_dir: str | Path, split: dict[str, Any], seed: in
     return Pretrained(level, seed, weights, sidecar, meta, built=True)
 
 
-def _build_one(job: tuple[str, int, str, dict[str, Any], bool, int | None]) -> Pretrained:
+def _build_one(job: tuple[str, int, str, dict[str, Any], bool, int | None, str]
+               ) -> Pretrained:
     """One (level, seed) for :func:`main`, in this process or a worker."""
-    level, seed, cache_dir, split, force, threads = job
+    level, seed, cache_dir, split, force, threads, kind_targets = job
     # a corrupt cached checkpoint: uqbench's one error line, no traceback (nothing is
     # logged: without a handler the log line would print to stderr a second time)
     with user_errors(catch=(ValueError,), logged=False):
         return pretrain(level, cache_dir, split, seed, force=force, threads=threads,
+                        kind_targets=kind_targets,
                         log=lambda line: print(f"[{level} s{seed}] {line.strip()}", flush=True))
 
 
@@ -292,8 +327,8 @@ def main(argv: list[str] | None = None) -> None:
                     "or reuse them, and print each level's linear-probe accuracy.")
     parser.add_argument("levels", nargs="*", default=list(LEVELS),
                         help=f"levels to build (default: all): {', '.join(LEVELS)}")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
-                        help="pretraining seeds (default: 0 1 2, the benchmark's run seeds)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4],
+                        help="pretraining seeds (default: 0 … 4, the benchmark's run seeds)")
     parser.add_argument("--cache-dir", default=os.environ.get("UQBENCH_CACHE", ".cache/uqbench"),
                         help="the runner's paths.cache_dir (default: $UQBENCH_CACHE or "
                              ".cache/uqbench)")
@@ -301,6 +336,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="digits split seed (the runner's dataset.split_seed)")
     parser.add_argument("--kind-fraction", type=float, default=DEFAULT_SPLIT["kind_fraction"],
                         help="share of the images 5–9 in the kind pool (dataset.kind_fraction)")
+    parser.add_argument("--ood-classes", nargs="+", default=DEFAULT_SPLIT["ood_classes"],
+                        metavar="DIGIT",
+                        help="the OOD digits, which no level pretrains on (dataset.ood_classes; "
+                             "default: 3 4); 'none': a held-out third of 0–4 (first protocol)")
+    parser.add_argument("--kind-targets", choices=["clusters", "labels"], default="clusters",
+                        help="how the near and foundation levels learn the kind pool: its "
+                             "k-means clusters (default) or its labels (first protocol)")
     parser.add_argument("--force", action="store_true", help="rebuild even when cached")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per pretraining (default 1: fastest for this model)")
@@ -325,8 +367,13 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {cand}")
         print(f"chosen: {recipe['choices']} → {DESIGN_FILE}")
         return
-    split = {"split_seed": args.split_seed, "kind_fraction": args.kind_fraction}
-    jobs = [(level, seed, args.cache_dir, split, args.force, args.threads)
+    ood = None if [str(c).lower() for c in args.ood_classes] == ["none"] else args.ood_classes
+    try:
+        split = normal_split({"split_seed": args.split_seed, "kind_fraction": args.kind_fraction,
+                              "ood_classes": ood})
+    except ValueError as error:
+        parser.error(str(error).replace("dataset.ood_classes", "--ood-classes"))
+    jobs = [(level, seed, args.cache_dir, split, args.force, args.threads, args.kind_targets)
             for level in dict.fromkeys(args.levels) for seed in dict.fromkeys(args.seeds)]
     if args.jobs == 1:
         results = [_build_one(job) for job in jobs]
