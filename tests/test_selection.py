@@ -286,18 +286,19 @@ def test_the_first_selection_sweep_takes_its_family_grid_and_scores_val_only(com
 
 
 def test_the_selection_sweep_gives_every_method_the_same_three_candidates(compose_cfg):
-    """One tuning budget: every method and level of experiment=p1_digits gets 3 learning rates,
+    """One tuning budget: every method and level of experiment=p1_digits gets 5 learning rates,
     half a decade apart, and nothing else is swept; it scores validation only."""
     swept = {k: _swept(compose_cfg, "p1_digits", k) for k in ("backbone", "method")}
     select = compose_cfg(["experiment=p1_digits_select"], return_hydra_config=True)
     params = OmegaConf.to_container(select.hydra.sweeper.params, resolve=True)
     assert set(params) == {"backbone", "method", "grid_point", "seed"}
-    assert params["grid_point"].split(",") == ["low", "mid", "high"] and str(params["seed"]) == "0"
+    points = ["lowest", "low", "mid", "high", "highest"]
+    assert params["grid_point"].split(",") == points and str(params["seed"]) == "0"
     assert set(params["backbone"].split(",")) == set(swept["backbone"])
     assert set(params["method"].split(",")) == set(swept["method"])
     for method in swept["method"]:
         lrs = []
-        for point in ("low", "mid", "high"):
+        for point in points:
             cfg = compose_cfg(["experiment=p1_digits_select", f"method={method}",
                                f"grid_point={point}"])
             assert list(cfg.eval_splits) == ["val"] and cfg.trainer.decay_to is None
