@@ -16,7 +16,7 @@ SELECT_SWEEPS = sorted((ROOT / "conf" / "experiment").glob("*_select.yaml"))
 
 
 def test_there_are_recipes_and_selection_sweeps():
-    assert {p.stem for p in RECIPES} >= {"p1_digits_first", "digits_backbone"}
+    assert {p.stem for p in RECIPES} >= {"p1_digits", "p1_digits_first", "digits_backbone"}
     assert {p.stem for p in SELECT_SWEEPS} >= {"p1_digits_select"}
 
 
