@@ -522,3 +522,34 @@ def test_the_table_counts_a_methods_failed_runs():
     shown, numeric = build_table(runs, spec)
     assert shown["failed"].tolist() == [0, 1] and shown["seeds"].tolist() == [3, 3]
     assert numeric["NLL mean"][1] == pytest.approx((0.6 + 1.0) / 2, abs=1e-9)  # seeds 0, 2
+
+
+def test_a_failed_run_record_counts_in_its_cell_and_against_its_claim(tmp_path):
+    """A run that failed (failed.json with its record, no results.json) is a failure of its
+    table cell and of its claim, read from disk as uqbench-tables reads a sweep."""
+    from uqbench.report.tables import write_tables
+    from uqbench.runner.outcomes import RunFailed, write_failed
+
+    spec = three_claims("holm") | {"title": "fails"}
+    runs = paired([0.3, 0.3, 0.31, 0.29, 0.3], 4) + paired([0.3, 0.3, 0.31, 0.29, 0.3], 16)
+    runs += paired([0.3, 0.3, 0.31, 0.29, 0.3], 64)
+    root = tmp_path / "runs"
+    for i, r in enumerate(runs):
+        folder = root / f"run{i}"
+        folder.mkdir(parents=True)
+        r = r | {"experiment": "fails", "table": spec}
+        if r["seed"] == 2 and r["settings"]["backbone"]["width"] == 16 \
+                and r["settings"]["method"]["variance"] == "learned":
+            record = {k: v for k, v in r.items() if k != "metrics"}
+            write_failed(RunFailed(folder, RuntimeError("diverged"), run=record))
+        else:
+            (folder / "results.json").write_text(json.dumps(r))
+    md = write_tables(root, tmp_path / "tables", "fails")["fails"].read_text()
+    rows = {c[0] + " " + c[1]: c for c in _cells(md) if c[0] in ("4", "16", "64")}
+    header = next(c for c in _cells(md) if c[0] == "width")
+    failed = header.index("failed")
+    assert rows["16 learned"][failed] == "1" and rows["16 embedded"][failed] == "0"
+    assert rows["16 learned"][header.index("seeds")] == "5"  # the failed seed is shown, counted
+    claims = (tmp_path / "tables" / "fails_claims.md").read_text()
+    w16 = next(c for c in _cells(claims) if c[0] == "w16")
+    assert "does not hold" in " ".join(w16) and "a failed 1" in " ".join(w16)

@@ -34,9 +34,10 @@ import yaml
 
 from uqbench.identity import differences
 
+FAILED = "failed.json"  # a failed run's record (uqbench.runner.outcomes writes it)
 # what one attempt writes (a failed attempt: its failed.json), dropped when the next publishes
 PUBLISHED = ("config.yaml", "results.json", "predictions", "figure.png", "checkpoint.ckpt", "eval",
-             "failed.json")
+             FAILED)
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 
 log = logging.getLogger("uqbench")

@@ -157,7 +157,9 @@ def build_table(runs: list[Run], spec: dict[str, Any]) -> tuple[pd.DataFrame, pd
     std (ddof=1) and count over the setting's runs, and ``seeds``, its distinct seeds. A setting
     whose runs used an edge choice shows :data:`EDGE_MARK` after its last row key. With
     ``failed_key``, a ``failed`` column counts the setting's runs without a finite value there
-    (a diverged or NaN run is a failure of its method, not a seed left out unnoticed). A column
+    (a diverged or NaN run is a failure of its method, not a seed left out unnoticed), and the
+    failed runs' records (``failed: true``, :func:`~uqbench.report.validation.load_results`);
+    without it the column is there whenever such a record is. A column
     with ``within: b`` is a verdict instead of a mean: :func:`within_cell` of its runs."""
     rows, cols = spec["rows"], spec["columns"]
     settings = [setting_of(run, spec) for run in runs]
@@ -201,11 +203,14 @@ def build_table(runs: list[Run], spec: dict[str, Any]) -> tuple[pd.DataFrame, pd
                                          for v in values]
             numeric[f"{title} (paper)"] = pd.Series(values, dtype=float)
     shown["seeds"] = numeric["seeds"] = stats["seeds"].to_numpy()
-    if spec.get("failed_key"):  # runs without a finite value there: failures, not dropped
-        value = pd.to_numeric(pd.Series([get_path(run, spec["failed_key"]) for run in runs],
-                                        dtype=object), errors="coerce")
-        failed = (~np.isfinite(value.to_numpy(dtype=float))).astype(int)
-        counts = pd.Series(failed).groupby(frame["setting"]).sum()
+    recorded = np.array([bool(run.get("failed")) for run in runs], dtype=bool)
+    if spec.get("failed_key") or recorded.any():  # failures, not runs dropped unnoticed
+        failed = recorded
+        if spec.get("failed_key"):
+            value = pd.to_numeric(pd.Series([get_path(run, spec["failed_key"]) for run in runs],
+                                            dtype=object), errors="coerce")
+            failed = failed | ~np.isfinite(value.to_numpy(dtype=float))
+        counts = pd.Series(failed.astype(int)).groupby(frame["setting"]).sum()
         shown["failed"] = numeric["failed"] = counts.reindex(range(len(order)),
                                                              fill_value=0).to_numpy()
     return shown, numeric

@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from uqbench.records.runfolder import FAILED
 from uqbench.report.claims import (
     CONFIDENCE,
     InvalidClaims,
@@ -221,15 +222,24 @@ def warn(path: str | Path, problem: str) -> None:
 
 
 def load_results(runs_dir: Path) -> list[Run]:
-    """Every valid results.json under ``runs_dir``, in sorted path order; a warning for each
-    file skipped. Hidden folders (``.staging-…``: a run being published or cut short) are not
-    runs and are passed over silently."""
+    """Every valid results.json under ``runs_dir``, and every failed run's record
+    (``failed.json`` in a folder without results.json: the run without metrics, ``failed:
+    true``), in sorted path order; a warning for each file skipped. Hidden folders
+    (``.staging-…``: a run being published or cut short) are not runs and are passed over
+    silently."""
     runs = []
-    for path in sorted(runs_dir.rglob("results.json")):
+    paths = sorted([*runs_dir.rglob("results.json"),
+                    *(p for p in runs_dir.rglob(FAILED)
+                      if not (p.parent / "results.json").exists())])
+    for path in paths:
         if any(part.startswith(".") for part in path.relative_to(runs_dir).parts[:-1]):
             continue
         try:
             res = _read_json(path)
+            if path.name == FAILED:  # a failed run: its record, without metrics
+                if not isinstance(res, dict) or not isinstance(res.get("run"), dict):
+                    continue  # a record from before failed runs named their cell
+                res = res["run"] | {"metrics": {}, "failed": True}
             check_results(res)
         except InvalidResults as err:
             warn(path, str(err))

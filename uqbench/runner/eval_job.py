@@ -38,6 +38,7 @@ from uqbench.records.runfolder import (
 from uqbench.runner import checkpoints, outcomes
 from uqbench.runner.engine import resolve_device
 from uqbench.runner.evaluation import Splits, predict_splits, score
+from uqbench.runner.outcomes import RunFailed
 from uqbench.runner.parts import build_parts, environment, method_diagnostics, seed_and_threads
 from uqbench.tasks.classification import join_members
 
@@ -62,28 +63,44 @@ def eval_job(cfg: DictConfig) -> dict[str, Any]:
     with RunFolder(out, lock_on=run_dir) as folder:
         if (kept := _kept(cfg, out, run_config)) is not None:
             return kept
-        start = time.perf_counter()
-        predictions, data, splits, task, diagnostics = _predict(configs, device)
-        metrics, calibration = score(predictions, task, splits.eval, splits.ood)
-        metrics.update(diagnostics)
-        results = {"job": "eval", "of_run": str(run_dir), "experiment": run_cfg.experiment_name,
-                   "run": run_cfg.run_subdir, "dataset": str(run_cfg.dataset.name),
-                   "method": str(run_cfg.method.name), "backbone": str(run_cfg.backbone.name),
-                   "seed": int(run_cfg.seed), "scored_from": [str(s) for s in sources],
-                   # the method's scoring options the command changed (method.covariance=full)
-                   "scored_with": {k: _resolved(OmegaConf.select(cfg, k)) for k in scoring},
-                   "eval_splits": _resolved(run_cfg.get("eval_splits")),
-                   "settings": _settings(scored_run, run_cfg, data, scoring),
-                   "params": scored_run.get("params"),  # the scored model's, unchanged
-                   "metrics": metrics, "calibration": calibration,
-                   "time": {"eval_s": time.perf_counter() - start},
-                   "environment": environment(),
-                   "device": str(device), "device_note": fallback,
-                   "recipe": scored_run.get("recipe") or {}}  # the scored run's choices
-        with folder.staging() as stage:
-            write_stage(stage, run_config, results, predictions if cfg.save_predictions else {})
-            folder.publish(stage)
+        header = {"job": "eval", "of_run": str(run_dir), "experiment": run_cfg.experiment_name,
+                  "run": run_cfg.run_subdir, "dataset": str(run_cfg.dataset.name),
+                  "method": str(run_cfg.method.name), "backbone": str(run_cfg.backbone.name),
+                  "seed": int(run_cfg.seed), "scored_from": [str(s) for s in sources],
+                  # the method's scoring options the command changed (method.covariance=full)
+                  "scored_with": {k: _resolved(OmegaConf.select(cfg, k)) for k in scoring},
+                  "eval_splits": _resolved(run_cfg.get("eval_splits"))}
+        try:
+            results = _score_run(cfg, folder, configs, device, fallback, header, scored_run,
+                                 run_cfg, run_config, scoring)
+        except (Exception, SystemExit) as err:  # the work had started: a failed scoring
+            record = header | {"settings": scored_run.get("settings"), "failed": True,
+                               "table": run_config.get("table")}
+            raise RunFailed(out, err, record) from err
     _track(cfg, run_cfg, run_config, results, out)
+    return results
+
+
+def _score_run(cfg: DictConfig, folder: RunFolder, configs: dict[Path, DictConfig],
+               device: torch.device, fallback: str | None, header: dict[str, Any],
+               scored_run: dict[str, Any], run_cfg: DictConfig, run_config: dict[str, Any],
+               scoring: list[str]) -> dict[str, Any]:
+    """Predict, score and publish one scoring; its results."""
+    start = time.perf_counter()
+    predictions, data, splits, task, diagnostics = _predict(configs, device)
+    metrics, calibration = score(predictions, task, splits.eval, splits.ood)
+    metrics.update(diagnostics)
+    results = {**header,
+               "settings": _settings(scored_run, run_cfg, data, scoring),
+               "params": scored_run.get("params"),  # the scored model's, unchanged
+               "metrics": metrics, "calibration": calibration,
+               "time": {"eval_s": time.perf_counter() - start},
+               "environment": environment(),
+               "device": str(device), "device_note": fallback,
+               "recipe": scored_run.get("recipe") or {}}  # the scored run's choices
+    with folder.staging() as stage:
+        write_stage(stage, run_config, results, predictions if cfg.save_predictions else {})
+        folder.publish(stage)
     return results
 
 

@@ -3,10 +3,13 @@
 A training job that fails once its work has started (an exception while training, scoring or
 publishing, a diverged loss, a library's ``exit()``) is a failed run, not a user's mistake: its
 folder gets ``failed.json`` (the error's type, a one-line reason, the traceback, the time; the
-traceback is in the folder's ``uqbench.log`` too) and never a results.json, W&B marks the run
-failed, and a sweep goes on with its other jobs. A later job into the folder (the same command
-again) trains it afresh; publishing its results drops the record. Checks that fail before any
-work (a bad value, a missing file, another run's folder) still stop at once, with their one line.
+traceback is in the folder's ``uqbench.log`` too; and ``run``: results.json's header, settings
+and table layout, without metrics, so that tables count it as a failure of its cell) and never a
+results.json, W&B marks the run failed, and a sweep goes on with its other jobs. A scoring
+(``job=eval``) that fails is recorded the same way in its own folder. A later job into the
+folder (the same command again) trains it afresh; publishing its results drops the record.
+Checks that fail before any work (a bad value, a missing file, another run's folder) still stop
+at once, with their one line.
 
 Every job of a multirun appends its outcome (done, reused or failed, with the run folder and the
 reason) to ``<sweep dir>/outcomes.jsonl``, one JSON line per job, so that jobs in other
@@ -28,16 +31,19 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-FAILED = "failed.json"
+from uqbench.records.runfolder import FAILED
+
 OUTCOMES = "outcomes.jsonl"
 STATUSES = ("done", "reused", "failed")
 
 
 class RunFailed(Exception):
-    """A run failed after its work started; ``cause`` is what stopped it."""
+    """A run failed after its work started; ``cause`` is what stopped it, ``run`` what its
+    results.json would have said of it besides metrics (None: unknown)."""
 
-    def __init__(self, run_dir: Path, cause: BaseException) -> None:
-        self.run_dir, self.cause = Path(run_dir), cause
+    def __init__(self, run_dir: Path, cause: BaseException,
+                 run: dict[str, Any] | None = None) -> None:
+        self.run_dir, self.cause, self.run = Path(run_dir), cause, run
         self.trace = "".join(traceback.format_exception(cause))
         super().__init__(f"{run_dir}: {reason(cause)}")
 
@@ -53,9 +59,11 @@ def reason(err: BaseException) -> str:
 def write_failed(failed: RunFailed) -> Path:
     """``failed.json`` in the run folder (written whole, then renamed into place)."""
     path = failed.run_dir / FAILED
-    record = {"status": "failed", "error": type(failed.cause).__name__,
-              "reason": reason(failed.cause), "traceback": failed.trace,
-              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    record: dict[str, Any] = {"status": "failed", "error": type(failed.cause).__name__,
+                              "reason": reason(failed.cause), "traceback": failed.trace,
+                              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if failed.run is not None:
+        record["run"] = failed.run | {"metrics": {}}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{FAILED}.{os.getpid()}")
     tmp.write_text(json.dumps(record, indent=2) + "\n")

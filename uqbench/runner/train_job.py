@@ -208,9 +208,18 @@ def _train(fabric: Any, cfg: DictConfig, folder: RunFolder, trainer: Any, header
         return conclude(cfg, folder, config, header, trainer, fabric, fallback, built, train,
                         logger, rank0)
     except (Exception, SystemExit) as err:  # the work had started: a failed run, not a mistake
-        raise RunFailed(folder.run_dir, err) from err
+        raise RunFailed(folder.run_dir, err, failed_run(cfg, config, header)) from err
     finally:
         logger.finish(failed=True)  # a no-op after a published run closed it: this one failed
+
+
+def failed_run(cfg: DictConfig, config: dict, header: dict) -> dict[str, Any]:
+    """What results.json says of a run before its metrics (the header, the groups' settings as
+    configured, the table layout): a failed run's record, so that its table cell counts it."""
+    return {**header, "eval_splits": config.get("eval_splits"),
+            "settings": {g: group_settings(cfg[g]) for g in ("dataset", "method", "backbone",
+                                                             "task", "trainer")},
+            "table": config.get("table"), "failed": True}
 
 
 def conclude(cfg: DictConfig, folder: RunFolder, config: dict, header: dict, trainer: Any,
