@@ -1,4 +1,5 @@
-"""How training reports its epochs: a bar on a terminal, one line per epoch in a log."""
+"""How training reports its epochs: a bar on a terminal, log lines in a log (the validated
+epochs by default, every trainer.log_every-th when set)."""
 
 from __future__ import annotations
 
@@ -37,23 +38,43 @@ def test_an_epoch_line_shows_the_loss_the_validation_metrics_and_the_time():
     assert line == "epoch 3/10 train/loss 0.1235 val/nll 1.5 val/rmse 0.25 elapsed 12.3s"
 
 
-def test_a_run_logged_to_a_file_writes_one_line_per_epoch_and_no_bar(tmp_path):
-    """stdout and stderr to a file, as under SLURM or CI: the default (auto) gives a line per
-    epoch, with the validation metrics on the epochs that evaluate them (every val_every-th
-    and the last), and no carriage return of a progress bar."""
+def _logged(tmp_path, *extra: str) -> list[str]:
+    """The epoch lines of a 5-epoch run (validation every 2nd) logged to a file."""
     log = tmp_path / "job.log"
     with open(log, "w") as out:
         subprocess.run(
             [sys.executable, "-m", "uqbench.runner.cli", "trainer.epochs=5", "trainer.val_every=2",
              "dataset.n_train=64", "dataset.n_val=16", "dataset.n_test=16", "dataset.n_ood=16",
              "backbone.width=4", "method.check_samples=0", "plot=false", "torch_threads=1",
-             f"paths.runs_dir={tmp_path / 'runs'}"],
+             f"paths.runs_dir={tmp_path / 'runs'}", *extra],
             cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=out,
             stderr=subprocess.STDOUT, timeout=300, check=True)
     text = log.read_text()
-    assert "\r" not in text
-    epochs = [line for line in text.splitlines() if re.search(r" - epoch \d+/5 ", line)]
+    assert "\r" not in text  # no carriage return of a progress bar
+    return [line for line in text.splitlines() if re.search(r" - epoch \d+/5 ", line)]
+
+
+def test_a_run_logged_to_a_file_writes_the_validated_epochs_and_no_bar(tmp_path):
+    """stdout and stderr to a file, as under SLURM or CI: the default (auto) writes the first
+    epoch, those that validate (every val_every-th) and the last, with their metrics."""
+    epochs = _logged(tmp_path)
+    assert [re.search(r"epoch (\d+)/5", line).group(1) for line in epochs] == [
+        "1", "2", "4", "5"]
+    assert [("val/nll" in line) for line in epochs] == [False, True, True, True]
+    assert all(re.search(r"train/loss \S+ .*elapsed \d+\.\ds$", line) for line in epochs)
+
+
+def test_log_every_one_writes_every_epoch(tmp_path):
+    epochs = _logged(tmp_path, "trainer.log_every=1")
     assert [re.search(r"epoch (\d+)/5", line).group(1) for line in epochs] == [
         "1", "2", "3", "4", "5"]
     assert [("val/nll" in line) for line in epochs] == [False, True, False, True, True]
     assert all(re.search(r"train/loss \S+ .*elapsed \d+\.\ds$", line) for line in epochs)
+
+
+def test_log_every_is_checked_and_no_part_of_a_runs_identity():
+    from uqbench.identity import differences
+
+    with pytest.raises(ValueError, match="trainer.log_every must be >= 1"):
+        Trainer(optimizer=torch.optim.Adam, log_every=0)
+    assert differences({"trainer": {"log_every": None}}, {"trainer": {"log_every": 1}}) == []

@@ -42,7 +42,7 @@ SHOWN_IN_PATH = frozenset({"seed", "run_name", "experiment", "experiment_name", 
 # The engine's layout (processes, micro-batches, checkpoints) lays the same computation out on
 # other hardware: a run resumed on another GPU count is the same run.
 ENGINE_LAYOUT = ("strategy", "devices", "num_nodes", "accumulate", "activation_checkpointing",
-                 "checkpoint_every", "keep_checkpoint", "progress")
+                 "checkpoint_every", "keep_checkpoint", "progress", "log_every")
 # Keys added to the config since runs were first stored, with the value the older runs used.
 # rank: null is SVE as it always was; MC-Dropout's earlier runs drew nn.Dropout's masks (the
 # fast masks draw other numbers for a seed, so those runs are another configuration);

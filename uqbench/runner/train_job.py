@@ -305,7 +305,7 @@ def _results(cfg: DictConfig, config: dict, header: dict, trainer: Any, fabric: 
             "backbone": group_settings(cfg.backbone) | built.backbone.details(),
             "task": group_settings(cfg.task),
             "trainer": {k: v for k, v in group_settings(cfg.trainer).items()
-                        if k != "progress"},
+                        if k not in ("progress", "log_every")},
         },
         "params": built.params,
         "metrics": metrics,

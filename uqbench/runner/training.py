@@ -97,6 +97,13 @@ def progress_mode(progress: bool | str | None, tty: bool | None = None) -> str:
     return mode
 
 
+def logged_epoch(epoch: int, trainer: Any) -> bool:
+    """Whether ``lines`` progress writes this epoch's line: every ``trainer.log_every`` epochs,
+    or (null, the default) the epochs that validate, and always the first and the last."""
+    every = trainer.log_every or trainer.val_every or 1
+    return epoch == 1 or epoch == trainer.epochs or epoch % every == 0
+
+
 def epoch_line(epoch: int, epochs: int, metrics: dict[str, float], seconds: float) -> str:
     """One epoch as one line: ``epoch 3/10 train/loss 0.1234 val/nll 0.567 elapsed 12.3s``
     (the validation metrics where the epoch evaluated them)."""
@@ -118,8 +125,9 @@ class Trainer:
     loss, the task's ``val_loss``) | acc (the highest validation accuracy; of equal ones the
     earlier epoch, as with equal losses). val_every: epochs between validation passes (only
     validated epochs can be selected); 0: none while training (select=last), the scoring
-    after it validates. progress: auto (a bar on a terminal, one line per epoch
-    otherwise) | bar | lines | none (:func:`progress_mode`).
+    after it validates. progress: auto (a bar on a terminal, log lines otherwise) | bar |
+    lines | none (:func:`progress_mode`). log_every: epochs between the log lines of ``lines``
+    (null: the validated epochs; 1: every epoch), the first and last always written.
     decay_to: zero or None (the optimiser's own weight decay, toward 0) | init (decoupled weight
     decay toward the values training started from — for SVE the pretrained spectrum, for full
     fine-tuning the pretrained weights: p ← p − lr·wd·(p − p₀) after each step, with the
@@ -132,6 +140,7 @@ class Trainer:
                  schedule: Schedule = "constant",
                  select: Selection = "last", select_metric: SelectMetric = "nll",
                  val_every: int = 10, progress: bool | str = "auto",
+                 log_every: int | None = None,
                  decay_to: DecayTarget | None = None, precision: str | int = "32",
                  strategy: Strategy = "auto", devices: int = 1, num_nodes: int = 1,
                  accumulate: int = 1, activation_checkpointing: bool = False,
@@ -166,6 +175,10 @@ class Trainer:
         self.schedule, self.select, self.select_metric = schedule, select, select_metric
         progress_mode(progress, tty=False)  # refuses an unknown mode when the trainer is built
         self.val_every, self.progress = int(val_every), progress
+        if log_every is not None and int(log_every) < 1:
+            raise ValueError(f"trainer.log_every must be >= 1 (epochs between log lines) or "
+                             f"null (the validation epochs), got {log_every}")
+        self.log_every = None if log_every is None else int(log_every)
         if self.val_every < 0 or (self.val_every == 0 and select != "last"):
             raise ValueError(f"trainer.val_every must be >= 1 (epochs between validation "
                              f"passes), or 0 for none with trainer.select=last; got "
@@ -354,7 +367,7 @@ class _Loop:
             self._train_epoch(epoch, save, stop)
             log = self._end_epoch(epoch)
             bar.set_postfix(loss=f"{log['train/loss']:.4g}")
-            if shown == "lines":
+            if shown == "lines" and logged_epoch(epoch, trainer):
                 console.info("%s", epoch_line(epoch, trainer.epochs, log,
                                               self.elapsed + time.perf_counter() - self.start))
             if save is not None:  # the last one too: a kill while scoring retrains nothing
