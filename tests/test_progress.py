@@ -78,3 +78,33 @@ def test_log_every_is_checked_and_no_part_of_a_runs_identity():
     with pytest.raises(ValueError, match="trainer.log_every must be >= 1"):
         Trainer(optimizer=torch.optim.Adam, log_every=0)
     assert differences({"trainer": {"log_every": None}}, {"trainer": {"log_every": 1}}) == []
+
+
+@pytest.mark.parametrize("epochs,val_every,expected", [
+    (300, 10, [1, *range(30, 301, 30)]),   # about ten lines, each a validated epoch
+    (10, 1, list(range(1, 11))),
+    (5, 2, [1, 2, 4, 5]),
+    (7, 0, list(range(1, 8)))])             # no validation while training: every epoch
+def test_the_default_logs_about_ten_validated_epochs(epochs, val_every, expected):
+    from types import SimpleNamespace
+
+    from uqbench.runner.training import logged_epoch
+
+    trainer = SimpleNamespace(epochs=epochs, val_every=val_every, log_every=None)
+    assert [e for e in range(1, epochs + 1) if logged_epoch(e, trainer)] == expected
+
+
+def test_a_finished_run_ends_with_its_metrics_on_one_screen():
+    from uqbench.runner.cli import run_summary
+
+    metrics = {f"test/metric_{i}": i / 7 for i in range(20)} | {"ood/nll": 5.85551,
+                                                                 "val/nll": 0.1,
+                                                                 "test_c/fog/1/acc": 0.5}
+    text = run_summary({"run": "default/x/seed0", "metrics": metrics}, width=80)
+    lines = text.splitlines()
+    assert lines[0] == "default/x/seed0:" and all(len(line) <= 80 for line in lines)
+    assert len(lines) <= 12  # one screen, however many metrics a split has
+    for k in [*(f"test/metric_{i}" for i in range(20)), "ood/nll"]:
+        assert f"{k}={round(metrics[k], 4)}" in text.split()
+    assert "val/nll" not in text and "test_c/" not in text
+    assert lines[-1].split() == ["ood/nll=5.8555"]  # each split on lines of its own

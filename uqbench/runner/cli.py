@@ -95,10 +95,26 @@ def _hydra_main(cfg: DictConfig) -> float | None:
         known = [v for v in values if v is not None]
         value = sum(known) / len(known) if known and len(known) == len(values) else None
     for results in runs:
-        summary = {k: round(v, 4) for k, v in results["metrics"].items()
-                   if k.split("/")[0] in ("test", "ood") and k.count("/") == 1}
-        print(f"{results['run']}: " + ", ".join(f"{k}={v}" for k, v in summary.items()))
+        print(run_summary(results))
     return value
+
+
+def run_summary(results: dict[str, Any], width: int = 100) -> str:
+    """A finished run on one screen: its folder, then its test and OOD metrics (those of one
+    level, ``test/nll``), a line per split, wrapped at ``width``."""
+    lines = [f"{results['run']}:"]
+    for split in ("test", "ood"):
+        shown = [f"{k}={round(v, 4)}" for k, v in results["metrics"].items()
+                 if k.split("/")[0] == split and k.count("/") == 1 and isinstance(v, float | int)]
+        line = " "
+        for item in shown:
+            if len(line) + len(item) + 2 > width and line.strip():
+                lines.append(line)
+                line = " "
+            line += " " + item
+        if line.strip():
+            lines.append(line)
+    return "\n".join(lines)
 
 
 def _stored_results(cfg: DictConfig) -> int | None:

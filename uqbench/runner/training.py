@@ -99,8 +99,12 @@ def progress_mode(progress: bool | str | None, tty: bool | None = None) -> str:
 
 def logged_epoch(epoch: int, trainer: Any) -> bool:
     """Whether ``lines`` progress writes this epoch's line: every ``trainer.log_every`` epochs,
-    or (null, the default) the epochs that validate, and always the first and the last."""
-    every = trainer.log_every or trainer.val_every or 1
+    or (null, the default) about ten lines a run, at epochs that validate (the smallest
+    multiple of ``val_every`` that gives at most ten); always the first and the last."""
+    every = trainer.log_every
+    if every is None:
+        step = trainer.val_every or 1
+        every = step * max(1, math.ceil(trainer.epochs / (10 * step)))
     return epoch == 1 or epoch == trainer.epochs or epoch % every == 0
 
 
@@ -127,7 +131,8 @@ class Trainer:
     validated epochs can be selected); 0: none while training (select=last), the scoring
     after it validates. progress: auto (a bar on a terminal, log lines otherwise) | bar |
     lines | none (:func:`progress_mode`). log_every: epochs between the log lines of ``lines``
-    (null: the validated epochs; 1: every epoch), the first and last always written.
+    (null: about ten a run, at validated epochs; 1: every epoch), the first and last always
+    written (:func:`logged_epoch`).
     decay_to: zero or None (the optimiser's own weight decay, toward 0) | init (decoupled weight
     decay toward the values training started from — for SVE the pretrained spectrum, for full
     fine-tuning the pretrained weights: p ← p − lr·wd·(p − p₀) after each step, with the
