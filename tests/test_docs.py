@@ -234,3 +234,15 @@ def test_no_control_characters(page):
     bad = [(data.count(b"\n", 0, i) + 1, repr(chr(c))) for i, c in enumerate(data)
            if c < 0x20 and c != 0x0A]
     assert not bad, f"{page.name}: control characters at (line, character) {bad[:10]}"
+
+
+def test_the_readme_is_a_front_door():
+    """At most 150 lines: what it is, the commands, what a first run prints and writes, one
+    results table per paper, and the map of the docs (the research lives in docs/)."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 150
+    for heading in ("## Quickstart", "## A first run", "## Results", "## Documentation"):
+        assert heading in text
+    assert "make test" in text and "results.json" in text and "docs/figures/first_run.png" in text
+    assert (ROOT / "docs" / "figures" / "first_run.png").is_file()
+    assert text.count("<!-- table: ") == 2  # one table per paper
