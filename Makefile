@@ -68,6 +68,17 @@ p1-tables: $(STAMP)  ## Every P1 table from the runs that exist, and which runs 
 docs: $(STAMP)  ## Write README.md's and docs/'s result numbers and tables from tables/ (--check: compare only)
 	$(BIN)/uqbench-docs
 
+# The docs as a site (mkdocs.yml, uqbench/report/site.py): strict, every formula typeset by
+# KaTeX at build time (npm's katex, pinned here, in .cache/katex); site/ opens from the disk
+KATEX_VERSION := 0.16.47
+KATEX := .cache/katex/node_modules/katex
+.PHONY: docs-site
+docs-site: $(STAMP)  ## Build docs/ as a site into site/ (strict: broken links, pages, anchors and formulas fail it)
+	$(BIN)/pip install -q -c constraints.txt -e ".[docs]"
+	@test -f $(KATEX)/package.json && grep -q '"version": "$(KATEX_VERSION)"' $(KATEX)/package.json \
+		|| npm install --prefix .cache/katex --no-save --no-audit --no-fund --silent katex@$(KATEX_VERSION)
+	$(BIN)/python -m uqbench.report.site --katex $(KATEX)
+
 # BENCH_ARGS: e.g. "--parts bnn" or "--members 4 --models vit" for a shorter run
 BENCH_ARGS ?=
 
