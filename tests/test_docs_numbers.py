@@ -4,12 +4,13 @@ Three parts: the mechanism on a tables folder written here (a changed cell is re
 missing cell is an error that names it, rendering twice changes nothing); the repository's
 pages against the committed tables/; and no result number typed outside a citation.
 
-The rule for typed numbers, in docs/results.md, docs/bench.md and in the README's "## Results"
-section: a *result number* is a decimal number (``0.035``) or a number followed by ``%`` or ``×``
-(``34 %``, ``4×``). Each must sit inside a number marker or a generated table. Not counted:
-code (backticks, fenced blocks: settings are written there, ``method.kl_scale=0.03``),
-headings, link targets, HTML comments, and quotations (``>`` lines, a paper's own words and
-numbers). Integers stay free: widths, seeds, counts of runs are settings, not measurements.
+The rule for typed numbers, in docs/results.md, docs/record.md, docs/bench.md and in the
+README's "## Results" section: a *result number* is a decimal number (``0.035``) or a number
+followed by ``%`` or ``×`` (``34 %``, ``4×``). Each must sit inside a number marker or a
+generated table. Not counted: code (backticks, fenced blocks: settings are written there,
+``method.kl_scale=0.03``), headings, link targets, HTML comments, and quotations (``>`` lines,
+a paper's own words and numbers). Integers stay free: widths, seeds, counts of runs are
+settings, not measurements.
 """
 
 from __future__ import annotations
@@ -326,7 +327,8 @@ def test_the_rule_finds_typed_numbers_and_spares_the_exceptions():
                                    (3, "2.1"), (3, "3.5")]
 
 
-@pytest.mark.parametrize("where", ["README.md", "docs/results.md", "docs/bench.md"])
+@pytest.mark.parametrize("where", ["README.md", "docs/results.md", "docs/record.md",
+                                   "docs/bench.md"])
 def test_no_result_number_is_typed_outside_a_citation(where):
     text = (ROOT / where).read_text()
     if where == "README.md":
