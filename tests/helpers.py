@@ -52,7 +52,7 @@ def quick_trainer(epochs: int, lr: float = 1e-2, optimizer: str = "torch.optim.A
     from omegaconf import OmegaConf
 
     return instantiate(OmegaConf.create({
-        "_target_": "uqbench.runner.training.Trainer", "epochs": epochs, "grad_clip": None,
+        "_target_": "uqbench.runner.engine.loop.Trainer", "epochs": epochs, "grad_clip": None,
         "warmup_epochs": 0, "schedule": "constant", "select": "last", "val_every": val_every,
         "progress": False, **settings,
         "optimizer": {"_target_": optimizer, "_partial_": True, "lr": lr}}))

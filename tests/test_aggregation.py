@@ -193,7 +193,7 @@ def test_scoring_a_run_on_another_dataset_keeps_its_own_scoring_options():
     command's."""
     from omegaconf import OmegaConf
 
-    from uqbench.runner.eval_job import _eval_config
+    from uqbench.runner.jobs.score import _eval_config
 
     target = "uqbench.tasks.classification.ClassificationTask"
     stored = {"task": {"_target_": target, "ece_bins": 10, "aggregation": "mean_logits"},

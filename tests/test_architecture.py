@@ -16,6 +16,7 @@ results files only, never the runner or the parts; the leaves (``contracts``, ``
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -102,8 +103,8 @@ def test_long_files_say_why_at_their_top():
 
 
 @pytest.mark.parametrize("module", ["metrics", "contracts", "errors", "identity",
-                                    "runner.checkpoints", "runner.fsdp", "records.loggers",
-                                    "report.claims"])
+                                    "runner.engine.checkpoints", "runner.engine.fsdp",
+                                    "records.loggers", "report.claims"])
 def test_leaf_modules_import_nothing_of_the_project(module):
     assert GRAPH[f"uqbench.{module}"] == set()
 
@@ -164,7 +165,7 @@ def test_only_the_runner_composes_backbone_method_and_dataset():
                                           for g in ("backbone", "method", "dataset"))):
                 builders.add(name)
     assert {_layer(m) for m in builders} == {"runner", "bench"}
-    assert builders & {"uqbench.runner.params", "uqbench.bench.ensembles"}
+    assert builders & {"uqbench.runner.jobs.params", "uqbench.bench.ensembles"}
 
 
 def test_no_import_cycle():
@@ -187,4 +188,20 @@ def test_no_import_cycle():
 
 
 def test_the_engine_builds_on_nothing_but_its_fsdp_strategy():
-    assert GRAPH["uqbench.runner.engine"] <= {"uqbench.runner.fsdp"}
+    assert GRAPH["uqbench.runner.engine.fabric"] <= {"uqbench.runner.engine.fsdp"}
+
+
+def test_the_engine_knows_no_job_and_one_table_says_what_job_runs():
+    """uqbench/runner/engine/ (loop, precision, FSDP, checkpoints) imports no job; the jobs,
+    one module each, sit apart in uqbench/runner/jobs/, and ``job=`` is read only through its
+    one dispatch table (uqbench.runner.jobs.job_of)."""
+    engine = {m for m in GRAPH if m.startswith("uqbench.runner.engine.")}
+    assert engine and all(not any(d.startswith("uqbench.runner.jobs") for d in GRAPH[m])
+                          for m in engine)
+    jobs = {m for m in GRAPH if m.startswith("uqbench.runner.jobs.")}
+    assert {"uqbench.runner.jobs.train", "uqbench.runner.jobs.score",
+            "uqbench.runner.jobs.params"} <= jobs
+    root = Path(__file__).resolve().parents[1] / "uqbench"
+    reads = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                   if re.search(r"""cfg\.get\(["']job["']|cfg\.job\b""", p.read_text()))
+    assert reads == ["runner/jobs/__init__.py"], reads

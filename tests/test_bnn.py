@@ -14,7 +14,7 @@ from uqbench.methods.base import Method
 from uqbench.methods.bnn import BayesianMLP
 from uqbench.methods.moments.layers import GaussianLinear, MomentLeakyReLU
 from uqbench.records.loggers import NullLogger
-from uqbench.runner.training import NonFiniteLossError
+from uqbench.runner.engine.loop import NonFiniteLossError
 from uqbench.tasks.regression import RegressionTask
 
 INFO = DataInfo("regression", in_dim=1, out_dim=1, num_train_batches=20)

@@ -8,7 +8,7 @@ import torch
 from scipy.special import log_softmax, logsumexp
 
 from uqbench import metrics as M
-from uqbench.runner.evaluation import split_group_means
+from uqbench.runner.engine.evaluation import split_group_means
 from uqbench.tasks.classification import ClassificationTask
 
 

@@ -13,7 +13,7 @@ from uqbench.configs import build, group_options, options_where, options_with
 from uqbench.data.base import DataModule
 from uqbench.methods.base import Method
 from uqbench.records.loggers import Logger
-from uqbench.runner.training import Trainer
+from uqbench.runner.engine.loop import Trainer
 from uqbench.tasks.base import Task
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

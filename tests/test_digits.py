@@ -60,7 +60,7 @@ def test_default_ood_is_every_image_of_classes_no_level_pretrains_on():
 
 def test_no_level_pretrains_on_an_ood_image_or_class(monkeypatch, tmp_path):
     from uqbench.backbones.digits_vit import level_recipe
-    from uqbench.runner import pretrain as module
+    from uqbench.runner.jobs import pretrain as module
 
     _, labels = digit_images(32)
     split = {"split_seed": 0, "kind_fraction": 0.25, "ood_classes": [3, 4]}
@@ -210,7 +210,7 @@ def test_bad_corruption_or_severity_is_refused_before_anything_runs(compose_cfg,
 def tiny(tmp_path_factory):
     """The `other` level's pipeline on 10 pretraining images for one epoch, and the indices of
     the images its training read."""
-    from uqbench.runner import pretrain as module
+    from uqbench.runner.jobs import pretrain as module
 
     read = []
     original = module.ArrayImageDataset
@@ -250,7 +250,7 @@ def test_pretraining_reads_only_pretraining_images_and_timm_vit_loads_the_weight
 
 def test_a_level_that_saw_the_downstream_kind_reads_only_the_kind_pool_besides(monkeypatch,
                                                                               tmp_path):
-    from uqbench.runner import pretrain as module
+    from uqbench.runner.jobs import pretrain as module
 
     seen = {}
 
@@ -299,7 +299,7 @@ def test_random_level_weights_follow_the_pretraining_seed_not_the_run_state(tmp_
 
 
 def test_second_call_reuses_the_cache_without_training(tiny, monkeypatch):
-    from uqbench.runner import pretrain as module
+    from uqbench.runner.jobs import pretrain as module
 
     result, _ = tiny
     mtime = result.weights.stat().st_mtime_ns
@@ -341,7 +341,7 @@ def test_equal_weights_are_written_as_equal_files_in_every_process(tmp_path):
 
 
 def test_truncated_checkpoint_is_refused_naming_the_file(tiny, tmp_path):
-    from uqbench.runner.pretrain import pretrain
+    from uqbench.runner.jobs.pretrain import pretrain
 
     backbone = _as_other_level(tiny, tmp_path)
     assert backbone.build()(torch.zeros(2, 3, 32, 32)).shape == (2, 64)  # intact: loads
@@ -379,7 +379,7 @@ def test_dataset_refuses_a_backbone_pretrained_on_another_split(tmp_path):
 
 
 def test_pretrain_command_prints_the_probe_and_refuses_unknown_levels(tmp_path, capsys):
-    from uqbench.runner.pretrain import main
+    from uqbench.runner.jobs.pretrain import main
 
     main(["random", "--seeds", "0", "--cache-dir", str(tmp_path)])
     out = capsys.readouterr().out

@@ -307,7 +307,7 @@ def test_the_final_checkpoint_holds_only_what_was_trained(tmp_path):
 def test_layouts_the_machine_cannot_run_fail_before_any_work(cfg, monkeypatch):
     from hydra.utils import instantiate
 
-    from uqbench.runner import engine
+    from uqbench.runner.engine import fabric as engine
 
     def trainer(*overrides):
         return instantiate(cfg(*overrides).trainer)

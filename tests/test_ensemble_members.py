@@ -21,7 +21,7 @@ from sklearn.metrics import roc_auc_score
 
 from tests.helpers import build_method, run_cli
 from uqbench.identity import identity
-from uqbench.runner.combine import combine
+from uqbench.runner.jobs.combine import combine
 
 # Dropout off: it draws random numbers while training, from one stream in the one-process run
 # and one per job, and would then change the members (and the later batch orders). The clip
@@ -230,7 +230,7 @@ def test_combine_refuses_what_is_not_one_complete_ensemble(trained, tmp_path, ca
 
 
 def test_the_command_takes_a_glob_and_fails_in_one_line(trained, tmp_path, capsys):
-    from uqbench.runner.combine import main
+    from uqbench.runner.jobs.combine import main
 
     members = copy_members(trained, tmp_path)
     main([str(tmp_path / "runs" / "*method.member=*" / "seed0")])

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from tests.helpers import run_cli
 from uqbench.records.runfolder import ConfigMismatchError, RunExistsError
-from uqbench.runner.eval_job import _kept
+from uqbench.runner.jobs.score import _kept
 
 CONFIG = {"job": "eval", "seed": 0, "eval_splits": ["test"],
           "method": {"variance": "learned", "covariance": "mixture", "mixture_modes": 2,

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from tests.helpers import run_cli
 from uqbench.configs import identity_overrides
 from uqbench.identity import differences
-from uqbench.runner.evaluation import chosen_splits
+from uqbench.runner.engine.evaluation import chosen_splits
 from uqbench.runner.parts import check_eval_splits
 
 FAST = ["backbone=tiny_vit", "dataset=fake_images", "method=single", "trainer.epochs=1",

@@ -14,8 +14,8 @@ import pytest
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 
-from uqbench.runner.memory import Engine, block_activation_bytes, optimizer_states
-from uqbench.runner.params import params_job
+from uqbench.runner.engine.memory import Engine, block_activation_bytes, optimizer_states
+from uqbench.runner.jobs.params import params_job
 
 FROZEN = (5552 - 2 * 2160) + 2 * 3136    # values held frozen: 7504
 TRAINED = 4 * 2 * (4 * 16 + 112) + 4 * (2 * 16 + 2)  # 1544

@@ -12,7 +12,7 @@ import pytest
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 
-from uqbench.runner.params import params_job
+from uqbench.runner.jobs.params import params_job
 
 R = 8  # LoRA rank in p1_overhead
 

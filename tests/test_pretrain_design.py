@@ -17,7 +17,7 @@ from uqbench.backbones.digits_vit import (
     designed,
     pretrain_settings,
 )
-from uqbench.runner.pretrain_design import choose_design, write_design
+from uqbench.runner.jobs.pretrain_design import choose_design, write_design
 
 # hand-made probes per candidate (pool, augment) and seed
 PROBES = {("avg", True): [0.90, 0.92], ("avg", False): [0.85, 0.87],

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.helpers import ROOT
-from uqbench.runner.training import PROGRESS, Trainer, epoch_line, progress_mode
+from uqbench.runner.engine.loop import PROGRESS, Trainer, epoch_line, progress_mode
 
 
 @pytest.mark.parametrize(("setting", "tty", "mode"), [
@@ -88,7 +88,7 @@ def test_log_every_is_checked_and_no_part_of_a_runs_identity():
 def test_the_default_logs_about_ten_validated_epochs(epochs, val_every, expected):
     from types import SimpleNamespace
 
-    from uqbench.runner.training import logged_epoch
+    from uqbench.runner.engine.loop import logged_epoch
 
     trainer = SimpleNamespace(epochs=epochs, val_every=val_every, log_every=None)
     assert [e for e in range(1, epochs + 1) if logged_epoch(e, trainer)] == expected

@@ -1,4 +1,4 @@
-"""Seeds trained side by side in one job (``stack_seeds``, :mod:`uqbench.runner.stacked`): each
+"""Seeds trained side by side in one job (``stack_seeds``, :mod:`uqbench.runner.jobs.stacked`): each
 member's run folder holds what its own job writes; what cannot be stacked is refused first."""
 
 from __future__ import annotations

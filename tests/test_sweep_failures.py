@@ -27,7 +27,7 @@ TINY = ("trainer.epochs=2", "trainer.progress=false", "dataset.n_train=64", "dat
 # while a scoring job (job=eval) predicts ("eval").
 INJECT = textwrap.dedent("""
     import os
-    from uqbench.runner import eval_job, train_job
+    from uqbench.runner.jobs import score as eval_job, train as train_job
 
     scored, staged, predicted = train_job._score, train_job.write_stage, eval_job._predict
 

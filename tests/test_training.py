@@ -18,7 +18,7 @@ from uqbench.data.base import DataModule
 from uqbench.data.polynomial import PolynomialData
 from uqbench.methods.base import Method
 from uqbench.records.loggers import NullLogger
-from uqbench.runner.training import Trainer, lr_factor
+from uqbench.runner.engine.loop import Trainer, lr_factor
 from uqbench.tasks.classification import ClassificationTask
 from uqbench.tasks.regression import RegressionTask
 
@@ -79,7 +79,7 @@ def test_bad_trainer_settings_are_named(field, value, match):
                 "schedule": "constant", "select": "last", field: value}
     with pytest.raises(ValueError, match=match):
         Trainer(optimizer=torch.optim.SGD, **settings)
-    node = OmegaConf.create({"_target_": "uqbench.runner.training.Trainer", **settings,
+    node = OmegaConf.create({"_target_": "uqbench.runner.engine.loop.Trainer", **settings,
                              "optimizer": {"_target_": "torch.optim.SGD", "_partial_": True}})
     with pytest.raises(ValueError, match=match):
         build(node)  # the error itself, not Hydra's InstantiationException around it
@@ -136,7 +136,7 @@ def _member_grads(m, k: int) -> list[torch.Tensor]:
     ("sve", ["method.sigma_init=0.1"]), ("lora_ensemble", []), ("deep_ensemble", []),
     ("deep_ensemble", ["method.vectorize=true"]), ("deep_ensemble_lp", [])])
 def test_each_members_gradient_is_clipped_as_if_it_were_alone(method, overrides):
-    from uqbench.runner.gradients import clip_groups, clip_per_member_
+    from uqbench.runner.engine.gradients import clip_groups, clip_per_member_
 
     m = _ensemble(method, "method.members=3", *overrides)
     m.train()
@@ -161,7 +161,7 @@ def test_each_members_gradient_is_clipped_as_if_it_were_alone(method, overrides)
 
 def test_one_model_is_clipped_jointly_exactly_as_before():
     """Single, MC-Dropout, SVF (one group of whole tensors): torch's clip_grad_norm_ itself."""
-    from uqbench.runner.gradients import clip_groups, clip_per_member_
+    from uqbench.runner.engine.gradients import clip_groups, clip_per_member_
 
     for method in ("single", "mc_dropout", "svf"):
         m = _ensemble(method)
@@ -217,7 +217,7 @@ def test_trainer_fit_clips_per_member():
 
 def test_undeclared_or_twice_declared_parameters_are_named():
     from uqbench.methods.base import MemberParameters
-    from uqbench.runner.gradients import clip_groups
+    from uqbench.runner.engine.gradients import clip_groups
 
     method = _Stacked()
     method.extra = torch.nn.Parameter(torch.zeros(1))

@@ -5,7 +5,7 @@ The architecture (:data:`ARCHITECTURE`, timm ``vit_tiny_patch16_224`` resized: 3
 the DINO ViTs' module names (``blocks.N.attn.qkv``, ``attn.proj``, ``mlp.fc1``, ``mlp.fc2``),
 so every method applies. Features: the mean patch token after the final norm, (B, 64).
 
-Levels (:data:`RECIPES`; ``uqbench-pretrain`` builds them, :mod:`uqbench.runner.pretrain`), by
+Levels (:data:`RECIPES`; ``uqbench-pretrain`` builds them, :mod:`uqbench.runner.jobs.pretrain`), by
 what each has seen; their quality is the linear probe on the downstream validation split,
 recorded per pretraining seed in each checkpoint's sidecar and in every run's results:
 

@@ -31,6 +31,10 @@ Corruption splits ``test_c/<corruption>/<severity>``: the test images corrupted 
 generated once per process and kept in memory. :data:`DEFAULT_CORRUPTIONS` is one corruption of
 each ImageNet-C family, each under 1 ms per 32-px image on one core (glass_blur takes ~27 ms,
 frost ~8 ms, zoom_blur ~3 ms).
+
+Longer than most modules: the splits, the two protocols' OOD rules, the corruptions and the
+data module share the images and their indices, and reading them in one place is what keeps
+a pretraining image out of every downstream and OOD split.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ loop: the same numbers, fewer kernel launches on a GPU. Each member still owns i
 One member per job (``member: k``, the way a 7B ensemble is run: one GPU or node per member).
 The job builds and trains member k of the M-member ensemble ALONE, exactly as it would train
 inside the one-process ensemble, and ``uqbench-combine`` scores the saved member predictions
-as the ensemble afterwards (``uqbench/runner/combine.py``). Two things make that exact:
+as the ensemble afterwards (``uqbench/runner/jobs/combine.py``). Two things make that exact:
 
 - initialisation: the job draws the whole ensemble's head initialisation (M sets, from the
   same generator state, so the random numbers drawn after it are the same too) and keeps set

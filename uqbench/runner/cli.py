@@ -1,9 +1,9 @@
 """The runner: the single Hydra entry point (`uqbench`).
 
 Builds backbone, dataset and method from the config, trains, evaluates every split the dataset
-declares, and writes the run folder (:mod:`uqbench.runner.train_job`); ``job=params`` counts
+declares, and writes the run folder (:mod:`uqbench.runner.jobs.train`); ``job=params`` counts
 parameters instead, ``job=eval`` scores a finished run on other data
-(:mod:`uqbench.runner.eval_job`). Every check that can fail on the user's input runs before any
+(:mod:`uqbench.runner.jobs.score`). Every check that can fail on the user's input runs before any
 expensive work, and a user's mistake prints as one line (:mod:`uqbench.errors`).
 """
 
@@ -21,13 +21,14 @@ import hydra
 from omegaconf import DictConfig
 
 from uqbench.errors import traceback_wanted, user_errors
-from uqbench.runner import engine, objective, outcomes
-from uqbench.runner.eval_job import eval_job, scored_folder
+from uqbench.runner import objective, outcomes
+from uqbench.runner.engine import fabric as engine
+from uqbench.runner.engine.loop import NonFiniteLossError, Preempted
+from uqbench.runner.jobs import job_of, runner
+from uqbench.runner.jobs.score import scored_folder
+from uqbench.runner.jobs.stacked import stacked_job, stacked_seeds
 from uqbench.runner.outcomes import RunFailed
 from uqbench.runner.parts import check_config
-from uqbench.runner.stacked import stacked_job, stacked_seeds
-from uqbench.runner.train_job import train_job
-from uqbench.runner.training import NonFiniteLossError, Preempted
 
 log = logging.getLogger("uqbench")
 
@@ -36,13 +37,11 @@ def run(cfg: DictConfig) -> dict[str, Any] | list[dict[str, Any]]:
     """Train and evaluate one configuration (or count its parameters: ``job=params``, or score
     a finished one: ``job=eval``); return the results dict (also written to disk). With
     ``stack_seeds``, the seeds train side by side and each member's results come back, in
-    order (:mod:`uqbench.runner.stacked`)."""
+    order (:mod:`uqbench.runner.jobs.stacked`)."""
     check_config(cfg)
     if stacked_seeds(cfg) is not None:
         return stacked_job(cfg)
-    if cfg.get("job", "train") == "eval":
-        return eval_job(cfg)
-    return train_job(cfg)
+    return runner(job_of(cfg))(cfg)
 
 
 def _drop_log_only_folder(cfg: DictConfig) -> None:
@@ -61,7 +60,7 @@ def _drop_log_only_folder(cfg: DictConfig) -> None:
     (folder / f"{hc.job.name}.log").unlink(missing_ok=True)
     # the folders Hydra may have made: below the runs folder, or a scoring's below its run
     bounds = [Path(str(cfg.paths.runs_dir)).resolve()]
-    if cfg.get("job") == "eval":
+    if job_of(cfg) == "eval":
         bounds.insert(0, scored_folder(cfg).resolve())
     root = next((b for b in bounds if b in folder.resolve().parents), bounds[-1])
     for path in [folder.resolve(), *folder.resolve().parents]:
@@ -91,7 +90,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
             outcomes.record("reused" if reused else "done", results.get("run", cfg.run_dir))
         # a stacked job's objective: its members' mean
         values = ([objective.value(cfg.get("objective"), results) for results in runs]
-                  if cfg.get("job", "train") == "train" else [])
+                  if job_of(cfg) == "train" else [])
         known = [v for v in values if v is not None]
         value = sum(known) / len(known) if known and len(known) == len(values) else None
     for results in runs:

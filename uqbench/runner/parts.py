@@ -18,10 +18,10 @@ from uqbench.configs import build, check_types, check_value, options_where
 from uqbench.contracts import to_device
 from uqbench.methods.base import Method
 from uqbench.runner import objective
-from uqbench.runner.engine import resolve_device
-from uqbench.runner.evaluation import Splits, chosen_splits
+from uqbench.runner.engine.evaluation import Splits, chosen_splits
+from uqbench.runner.engine.fabric import resolve_device
+from uqbench.runner.jobs import job_of
 
-JOBS = ("train", "params", "eval")
 DIAGNOSTIC_INPUTS = 256  # test inputs handed to Method.diagnostics
 
 
@@ -37,10 +37,9 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.get("torch_threads") is not None and cfg.torch_threads < 1:
         raise ValueError(f"torch_threads must be >= 1 or null, got {cfg.torch_threads}")
     resolve_device(str(cfg.device))
-    if cfg.get("job", "train") not in JOBS:
-        raise ValueError(f"job '{cfg.job}' is not one of: {', '.join(JOBS)}")
+    job = job_of(cfg)  # an unknown job: its one-line error, before anything is built
     check_eval_splits(cfg.get("eval_splits"))
-    if cfg.get("job", "train") == "train":
+    if job == "train":
         objective.check(cfg)  # the metric a sweeper reads, before any data or model
         _check_method_training(cfg)
     if isinstance(cfg.get("logger"), DictConfig):

@@ -35,57 +35,35 @@ from uqbench.identity import differences
 from uqbench.records.loggers import Logger, NullLogger, RunLabels, log_results, run_labels
 from uqbench.records.results import group_choices, group_settings, run_header, write_stage
 from uqbench.records.runfolder import ConfigMismatchError, RunExistsError, RunFolder
-from uqbench.runner import checkpoints, engine, objective, outcomes, parts
-from uqbench.runner.engine import resolve_device
-from uqbench.runner.evaluation import Splits, evaluate, forward_cost
+from uqbench.runner import objective, outcomes, parts
+from uqbench.runner.engine import checkpoints
+from uqbench.runner.engine import fabric as engine
+from uqbench.runner.engine.evaluation import Splits, evaluate, forward_cost
+from uqbench.runner.engine.fabric import resolve_device
+from uqbench.runner.engine.loop import Preempted
 from uqbench.runner.outcomes import RunFailed
 from uqbench.runner.parts import (
     build_parts,
     environment,
     method_diagnostics,
     seed_and_threads,
-    seed_everything,
 )
-from uqbench.runner.training import Preempted
 
 log = logging.getLogger("uqbench")
 
 
 def train_job(cfg: DictConfig) -> dict[str, Any]:
-    """Train and evaluate one configuration (or count its parameters: ``job=params``) in its
-    run folder; return the results dict (also written to disk)."""
+    """Train and evaluate one configuration in its run folder; return the results dict (also
+    written to disk)."""
     with RunFolder(Path(cfg.run_dir), writer=engine.rank() == 0) as folder:
-        if cfg.get("job", "train") == "params":
-            return _params(cfg, folder)
         return _launch(cfg, folder)
-
-
-# --- the parameter job ----------------------------------------------------------------------
-
-def _params(cfg: DictConfig, folder: RunFolder) -> dict[str, Any]:
-    """Count parameters only: no data, no training (uqbench/runner/params.py)."""
-    from uqbench.runner.params import params_job
-
-    if (existing := reuse(cfg, folder)) is not None:
-        return existing
-    config = _resolved(cfg)
-    seed_everything(int(cfg.seed))
-    results = {**run_header(cfg), "job": "params", **params_job(cfg),
-               "table": config.get("table")}
-    logger = build(cfg.logger)
-    logger.start(folder.run_dir, _labels(cfg, config, "params"), config)
-    try:
-        publish_run(cfg, folder, config, results, {}, logger=logger)
-    finally:
-        logger.finish(failed=True)  # a no-op after log_results closed it
-    return results
 
 
 # --- the training job: checks, then one launch per process ----------------------------------
 
 def _launch(cfg: DictConfig, folder: RunFolder) -> dict[str, Any]:
     """Check the trainer, reuse a finished run, find the checkpoint, launch :func:`_train`."""
-    trainer = build(cfg.trainer)  # checks its own settings (uqbench.runner.training.Trainer)
+    trainer = build(cfg.trainer)  # checks its own settings (uqbench.runner.engine.loop.Trainer)
     if trainer.batch_size is not None:  # the recipe's batch, recorded where it acts
         cfg.dataset.batch_size = trainer.batch_size
     if not trainer.updates_weights:

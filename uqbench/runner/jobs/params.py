@@ -7,7 +7,7 @@ heads), so the counts are those of the real run. ``experiment=p1_overhead`` uses
 reproduce P1's parameter-overhead figures; see the README.
 
 The job also estimates the training memory per device (``memory`` in results.json,
-:mod:`uqbench.runner.memory`) for the trainer's engine settings (``trainer.precision``,
+:mod:`uqbench.runner.engine.memory`) for the trainer's engine settings (``trainer.precision``,
 ``strategy``,
 ``devices`` × ``num_nodes``, ``accumulate``, ``activation_checkpointing``), its optimiser and
 batch (``trainer.batch_size``, else ``dataset.batch_size``; no estimate without either), with
@@ -33,8 +33,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from uqbench.configs import build
 from uqbench.contracts import DataInfo
-from uqbench.records.results import group_settings
-from uqbench.runner.memory import Engine, estimate, optimizer_states
+from uqbench.records.results import group_settings, run_header
+from uqbench.runner.engine.memory import Engine, estimate, optimizer_states
+from uqbench.runner.parts import seed_everything
 
 log = logging.getLogger("uqbench")
 DEFAULTS: dict[str, Any] = {"device": "meta", "num_classes": 2, "layouts": {}}
@@ -108,8 +109,8 @@ def engine_of(trainer: DictConfig, replace: dict[str, Any] | None = None) -> Eng
 
 def training_memory(cfg: DictConfig, method: Any, backbone: Any,
                     layouts: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    """The per-device training-memory estimate (:func:`uqbench.runner.memory.estimate`) for the
-    trainer's engine settings, with ``layouts`` (name → engine settings replaced) under
+    """The per-device training-memory estimate (:func:`uqbench.runner.engine.memory.estimate`)
+    for the trainer's engine settings, with ``layouts`` (name → engine settings replaced) under
     ``layouts``; None without a batch size."""
     trainer = cfg.get("trainer") or OmegaConf.create({})
     dataset = cfg.get("dataset") or OmegaConf.create({})
@@ -148,3 +149,31 @@ def training_memory(cfg: DictConfig, method: Any, backbone: Any,
              memory["strategy"], memory["world_size"], memory["batch_size"],
              memory["gb"]["total"])
     return memory
+
+
+def params_run(cfg: DictConfig) -> dict[str, Any]:
+    """``job=params``: count the parameters of one configuration, no data, no training, and
+    publish them as its run folder (reused like any finished run); return the results dict
+    (also written to disk)."""
+    from pathlib import Path
+
+    from uqbench.records.runfolder import RunFolder
+    from uqbench.runner.engine.fabric import rank
+    from uqbench.runner.jobs.train import _labels as labels
+    from uqbench.runner.jobs.train import _resolved as resolved
+    from uqbench.runner.jobs.train import publish_run, reuse
+
+    with RunFolder(Path(cfg.run_dir), writer=rank() == 0) as folder:
+        if (existing := reuse(cfg, folder)) is not None:
+            return existing
+        config = resolved(cfg)
+        seed_everything(int(cfg.seed))
+        results = {**run_header(cfg), "job": "params", **params_job(cfg),
+                   "table": config.get("table")}
+        logger = build(cfg.logger)
+        logger.start(folder.run_dir, labels(cfg, config, "params"), config)
+        try:
+            publish_run(cfg, folder, config, results, {}, logger=logger)
+        finally:
+            logger.finish(failed=True)  # a no-op after log_results closed it
+        return results

@@ -26,6 +26,9 @@ rebuild on the same machine bit-identical (same sha256). Across CPUs it is not: 
 differ by instruction set, so another machine's weights differ in the last bits and training
 amplifies that; the benchmark therefore pretrains every level with several seeds and reports
 the spread over them.
+
+Longer than most modules: what a level trains on (the images and their targets, labels or
+clusters), the training, the probe, the cache and its command line are one command's parts.
 """
 
 from __future__ import annotations
@@ -358,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.design:
-        from uqbench.runner.pretrain_design import choose_design, write_design
+        from uqbench.runner.jobs.pretrain_design import choose_design, write_design
 
         recipe = choose_design(pretrain, args.cache_dir, seeds=tuple(args.seeds), jobs=args.jobs,
                                threads=args.threads)

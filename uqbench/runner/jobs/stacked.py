@@ -48,9 +48,11 @@ from uqbench.configs import build
 from uqbench.contracts import to_device
 from uqbench.records.results import run_header
 from uqbench.records.runfolder import RunFolder
-from uqbench.runner import engine
-from uqbench.runner.checkpoints import rng_state, set_rng_state
-from uqbench.runner.train_job import (
+from uqbench.runner.engine import fabric as engine
+from uqbench.runner.engine.checkpoints import rng_state, set_rng_state
+from uqbench.runner.engine.loop import NonFiniteLossError, epoch_line, progress_mode, schedule
+from uqbench.runner.jobs import job_of
+from uqbench.runner.jobs.train import (
     Built,
     _build,
     _labels,
@@ -62,7 +64,6 @@ from uqbench.runner.train_job import (
     resume_point,
     reuse,
 )
-from uqbench.runner.training import NonFiniteLossError, epoch_line, progress_mode, schedule
 
 log = logging.getLogger("uqbench")
 
@@ -91,8 +92,8 @@ def stacked_seeds(cfg: DictConfig) -> list[int] | None:
 def check_stackable(cfg: DictConfig, trainer: Any) -> None:
     """Refuse, before anything is built, a job whose members could not train side by side
     exactly as in their own jobs (the module's docstring)."""
-    if cfg.get("job", "train") != "train":
-        raise ValueError(f"stack_seeds trains seeds side by side; job={cfg.job} trains nothing: "
+    if (job := job_of(cfg)) != "train":
+        raise ValueError(f"stack_seeds trains seeds side by side; job={job} trains nothing: "
                          f"drop stack_seeds")
     target = cfg.method.get("_target_")
     refuse = getattr(get_class(target), "stack_refusal", None) if isinstance(target, str) else None

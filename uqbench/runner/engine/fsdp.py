@@ -1,5 +1,6 @@
-"""FSDP for uqbench's engine (:mod:`uqbench.runner.engine`), kept apart so that importing the engine
-does not import Lightning; a module-level class, so that spawned processes can unpickle it."""
+"""FSDP for uqbench's engine (:mod:`uqbench.runner.engine.fabric`), kept apart so that
+importing the engine does not import Lightning; a module-level class, so that spawned processes
+can unpickle it."""
 
 from __future__ import annotations
 

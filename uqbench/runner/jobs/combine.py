@@ -9,7 +9,7 @@ member runs afterwards::
 It checks that the member runs are one ensemble (stored configs identical except
 ``method.member``, members 0 … M−1 each present once, results and predictions of every split
 saved), stacks the member predictions in member order (member_probs (M, N, C)), scores them
-with the task of the stored config (``uqbench.runner.evaluation.score``: the temperature is
+with the task of the stored config (``uqbench.runner.engine.evaluation.score``: the temperature is
 refitted on the combined validation predictions) and writes a complete run folder, by default
 the one the one-process Deep Ensemble of the same config gets (the ``method.member=k`` level
 removed), so that tables read it as that row, through the runner's ``RunFolder``
@@ -42,7 +42,7 @@ from uqbench.identity import identity
 from uqbench.records.loggers import log_results, run_labels
 from uqbench.records.results import write_stage
 from uqbench.records.runfolder import RunFolder, RunLock, finished
-from uqbench.runner.evaluation import score
+from uqbench.runner.engine.evaluation import score
 from uqbench.tasks.classification import join_members
 
 log = logging.getLogger("uqbench")

@@ -35,9 +35,10 @@ from uqbench.records.runfolder import (
     finished,
     stored_differences,
 )
-from uqbench.runner import checkpoints, outcomes
-from uqbench.runner.engine import resolve_device
-from uqbench.runner.evaluation import Splits, predict_splits, score
+from uqbench.runner import outcomes
+from uqbench.runner.engine import checkpoints
+from uqbench.runner.engine.evaluation import Splits, predict_splits, score
+from uqbench.runner.engine.fabric import resolve_device
 from uqbench.runner.outcomes import RunFailed
 from uqbench.runner.parts import build_parts, environment, method_diagnostics, seed_and_threads
 from uqbench.tasks.classification import join_members

@@ -7,7 +7,7 @@ up, resume, the epochs (each its steps, then its end), the outcome.
 
 Longer than ~350 lines because the Trainer's settings and the loop that reads them share one
 state and change together; the gradient arithmetic lives apart, in
-:mod:`uqbench.runner.gradients`.
+:mod:`uqbench.runner.engine.gradients`.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from tqdm.auto import tqdm
 
 from uqbench.contracts import Shard, stack_streams, to_device
 from uqbench.records.loggers import Logger
-from uqbench.runner import engine
-from uqbench.runner.checkpoints import rng_state, set_rng_state
-from uqbench.runner.gradients import clip_groups, clip_per_member_, decay_toward_
-from uqbench.runner.memory import Strategy, check_precision_and_strategy
+from uqbench.runner.engine import fabric as engine
+from uqbench.runner.engine.checkpoints import rng_state, set_rng_state
+from uqbench.runner.engine.gradients import clip_groups, clip_per_member_, decay_toward_
+from uqbench.runner.engine.memory import Strategy, check_precision_and_strategy
 
 if TYPE_CHECKING:  # types only: the loop takes a built method, data and task from the runner
     from uqbench.data.base import DataModule

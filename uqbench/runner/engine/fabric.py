@@ -1,7 +1,7 @@
 """Where the training loop runs: Lightning Fabric, set up from ``device=`` and the trainer's
 engine settings (``conf/trainer/engine/default.yaml``).
 
-Fabric keeps our own loop (:class:`uqbench.runner.training.Trainer`) and supplies what a loop
+Fabric keeps our own loop (:class:`uqbench.runner.engine.loop.Trainer`) and supplies what a loop
 needs to
 scale: precision plugins, DDP and FSDP, multi-node process groups, and cluster detection (SLURM,
 torchrun). Two choices are ours:
@@ -123,7 +123,7 @@ def fabric(device: torch.device, trainer: Any) -> Any:
     if trainer.world_size == 1 and trainer.strategy != "fsdp":
         strategy: Any = "auto"
     elif trainer.strategy == "fsdp":
-        from uqbench.runner.fsdp import SpawnableFSDP
+        from uqbench.runner.engine.fsdp import SpawnableFSDP
 
         strategy = SpawnableFSDP(spawn=start == "spawn", use_orig_params=True,
                                  state_dict_type="full")

@@ -25,7 +25,7 @@ def choose_design(build: Callable[..., Any], cache_dir: str | Path, level: str =
                   seeds: tuple[int, ...] = (0,), jobs: int = 1, threads: int | None = 1
                   ) -> dict[str, Any]:
     """Every candidate of :data:`DESIGN_GRID` on ``level``: the mean validation probe over
-    ``seeds``, each built by ``build`` (:func:`uqbench.runner.pretrain.pretrain`); the highest
+    ``seeds``, each built by ``build`` (:func:`uqbench.runner.jobs.pretrain.pretrain`); the highest
     wins (ties: the first in the grid's order). Returns the recipe (provenance and choices)
     that ``--design`` writes."""
     keys = list(DESIGN_GRID)
