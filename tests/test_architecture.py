@@ -205,3 +205,15 @@ def test_the_engine_knows_no_job_and_one_table_says_what_job_runs():
     reads = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
                    if re.search(r"""cfg\.get\(["']job["']|cfg\.job\b""", p.read_text()))
     assert reads == ["runner/jobs/__init__.py"], reads
+
+
+def test_no_two_modules_share_a_name_but_the_packages_base_classes():
+    """A module's name says what it does: none repeats across packages, but each package's
+    ``base.py`` (its base classes) and ``__init__.py``."""
+    root = Path(__file__).resolve().parents[1] / "uqbench"
+    names: dict[str, list[str]] = {}
+    for path in root.rglob("*.py"):
+        names.setdefault(path.name, []).append(str(path.relative_to(root)))
+    repeated = {n: p for n, p in names.items() if len(p) > 1 and n not in ("__init__.py",
+                                                                           "base.py")}
+    assert repeated == {}

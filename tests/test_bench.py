@@ -190,7 +190,7 @@ def _block(monkeypatch, *modules):
 
 @pytest.mark.slow  # the quick P2 rows still compile and time the training step
 def test_moment_figures_quick_and_missing_anchor_skipped(monkeypatch):
-    from uqbench.bench import bnn
+    from uqbench.bench import moment_costs as bnn
 
     _block(monkeypatch, "fastbnns", "fastbnns.bnn", "fastbnns.bnn.base")
     rows = bnn.run(CPU, repeats=2, quick=True)
@@ -294,7 +294,7 @@ def test_the_single_model_is_timed_as_m_consecutive_calls(monkeypatch):
 
 def test_targeted_layer_bytes_lora_by_hand():
     from uqbench.bench import ensembles
-    from uqbench.methods.layers import wrapped_bytes
+    from uqbench.methods.member_layers import wrapped_bytes
 
     lora = ensembles.build(ensembles.MODELS["tiny_vit"], "lora_ensemble", CPU,
                            "method.members=2")

@@ -17,7 +17,7 @@ from tests.fixtures.datasets import (
     write_cifar100_c,
 )
 from uqbench.data.cifar import CIFAR100Data, read_cifar
-from uqbench.data.layout import STANDARD_CORRUPTIONS, DatasetCorruptError, DatasetMissingError
+from uqbench.data.on_disk import STANDARD_CORRUPTIONS, DatasetCorruptError, DatasetMissingError
 
 N_TRAIN, N_TEST, N_C = 20, 10, 6
 

@@ -23,7 +23,7 @@ from tests.fixtures.datasets import (
     write_vader_sdist,
 )
 from uqbench.data import download
-from uqbench.data.layout import LAYOUTS
+from uqbench.data.on_disk import LAYOUTS
 
 WRITERS = {"cifar100": write_cifar100, "cifar10": write_cifar10, "flowers102": write_flowers102,
            "dtd": write_dtd, "oxford_pets": write_oxford_pets, "sst2": write_sst2,

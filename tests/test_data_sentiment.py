@@ -11,7 +11,7 @@ import pytest
 
 from tests.fixtures.backbones import FakeTextBackbone
 from tests.fixtures.datasets import write_vader_sdist
-from uqbench.data.layout import DatasetCorruptError, DatasetMissingError
+from uqbench.data.on_disk import DatasetCorruptError, DatasetMissingError
 from uqbench.data.sentiment import SHIFT_SPLITS, MovieSentences, stratified_take
 
 

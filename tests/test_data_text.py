@@ -9,7 +9,7 @@ import torch
 from tests.fixtures.backbones import FakeImageBackbone, FakeTextBackbone
 from tests.fixtures.datasets import ARC_ROWS, write_arc_easy, write_sst2
 from uqbench.data.arc import ARCEasyData, answer_token_ids, arc_prompt
-from uqbench.data.layout import DatasetCorruptError, DatasetMissingError
+from uqbench.data.on_disk import DatasetCorruptError, DatasetMissingError
 from uqbench.data.text import SST2Data
 
 

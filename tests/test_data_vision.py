@@ -11,7 +11,7 @@ from PIL import Image
 from tests.fixtures.backbones import FakeImageBackbone, colour
 from tests.fixtures.datasets import CODE, write_dtd, write_flowers102, write_oxford_pets
 from uqbench.data.image_folders import DTDData, Flowers102Data, OxfordPetsData
-from uqbench.data.layout import DatasetCorruptError, DatasetMissingError
+from uqbench.data.on_disk import DatasetCorruptError, DatasetMissingError
 from uqbench.data.transforms import ImagePreprocessing
 
 BACKBONE = FakeImageBackbone(size=16)

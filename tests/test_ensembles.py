@@ -15,8 +15,8 @@ from tests.helpers import build_method as build
 from tests.helpers import inputs_for, tiny_text_batch
 from uqbench.backbones.hf import bundled_tokenizer_path, last_token_index
 from uqbench.contracts import DataInfo
-from uqbench.methods.layers import repeat_members, replace_linears
 from uqbench.methods.lora_ensemble import LoRALinear
+from uqbench.methods.member_layers import repeat_members, replace_linears
 from uqbench.methods.sve_layers import SVELinear
 
 BACKBONES = ("tiny_vit", "tiny_bert", "tiny_llama")

@@ -11,7 +11,7 @@ from hydra.utils import instantiate
 from uqbench.backbones.hf import HFEncoder
 from uqbench.backbones.stem import FrozenRows
 from uqbench.contracts import DataInfo, split_rows, stack_streams
-from uqbench.methods.layers import repeat_members
+from uqbench.methods.member_layers import repeat_members
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TARGETS = ["query", "key", "value", "attention.output.dense", "intermediate.dense",

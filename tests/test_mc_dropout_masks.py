@@ -16,7 +16,7 @@ from torch import nn
 
 from uqbench.contracts import DataInfo
 from uqbench.methods.dropout import FastDropout, keep_mask, quantised_rate, repeat_at_first_dropout
-from uqbench.methods.layers import repeat_members, split_members
+from uqbench.methods.member_layers import repeat_members, split_members
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -98,7 +98,7 @@ def test_a_packaged_experiment_is_laid_out_by_its_config_not_by_a_stale_stored_s
     """A run of p2_width_sweep that stored an older title is drawn with the config's."""
     import json
 
-    from uqbench.report.layout import configured
+    from uqbench.report.table_layout import configured
 
     spec = configured("p2_width_sweep")
     assert spec is not None and spec["title"]

@@ -48,8 +48,8 @@ from uqbench.bench.timing import (
 from uqbench.contracts import DataInfo
 from uqbench.methods.base import Method
 from uqbench.methods.ensemble import EnsembleMethod
-from uqbench.methods.layers import wrapped_bytes
 from uqbench.methods.mc_dropout import MCDropout
+from uqbench.methods.member_layers import wrapped_bytes
 
 CLASSES = 10
 TOPK_KEY = "method.rank"  # SVE's top-k option: only the k largest singular directions adapt

@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import Dataset
 
 from uqbench.contracts import DataInfo, one_of
-from uqbench.data.layout import DatasetCorruptError
+from uqbench.data.on_disk import DatasetCorruptError
 from uqbench.data.splits import ListDataset
 from uqbench.data.text import TextDataModule, read_hf_split
 

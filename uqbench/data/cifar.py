@@ -32,7 +32,7 @@ from torch.utils.data import Dataset
 
 from uqbench.data.base import resolve_names
 from uqbench.data.image_base import ArrayImageDataset, ImageDataModule
-from uqbench.data.layout import (
+from uqbench.data.on_disk import (
     ALL_CORRUPTIONS,
     LAYOUTS,
     SEVERITIES,

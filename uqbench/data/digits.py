@@ -54,7 +54,7 @@ from uqbench.contracts import InputBackbone
 from uqbench.data.base import resolve_names
 from uqbench.data.cifar import resolve_severities
 from uqbench.data.image_base import ArrayImageDataset, ImageDataModule
-from uqbench.data.layout import SEVERITIES
+from uqbench.data.on_disk import SEVERITIES
 
 OTHER_CLASSES = (0, 1, 2, 3, 4)       # pretraining + OOD
 DOWNSTREAM_CLASSES = (5, 6, 7, 8, 9)  # the fine-tuning task, relabelled 0–4

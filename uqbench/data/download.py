@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from uqbench.contracts import sha256_file as sha256
-from uqbench.data.layout import ALL_CORRUPTIONS, HF_SPLITS, LAYOUTS
+from uqbench.data.on_disk import ALL_CORRUPTIONS, HF_SPLITS, LAYOUTS
 
 CIFAR100_C_URL = "https://zenodo.org/records/3555552/files/CIFAR-100-C.tar?download=1"
 CIFAR100_C_TAR = "CIFAR-100-C.tar"
@@ -217,7 +217,7 @@ def verify(name: str, root: Path) -> str:
         ok = sha256(folder / VADER_SDIST) == VADER_SHA256
         return "sha256 ok" if ok else f"sha256 mismatch: {VADER_SDIST}"
     if name in HF_SOURCES:
-        from uqbench.data.layout import hf_split_files
+        from uqbench.data.on_disk import hf_split_files
 
         sizes = HF_SOURCES[name][1]
         # the splits are present: verify runs on downloaded data only

@@ -26,7 +26,7 @@ from torch.utils.data import Dataset, Subset
 from torchvision.datasets import DTD, OxfordIIITPet
 
 from uqbench.data.image_base import FileImageDataset, ImageDataModule
-from uqbench.data.layout import LAYOUTS, DatasetCorruptError, flowers_image_ids, read_pets_split
+from uqbench.data.on_disk import LAYOUTS, DatasetCorruptError, flowers_image_ids, read_pets_split
 from uqbench.data.splits import holdout_split
 
 

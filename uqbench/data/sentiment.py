@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from uqbench.data.layout import LAYOUTS, DatasetCorruptError, fetch_hint
+from uqbench.data.on_disk import LAYOUTS, DatasetCorruptError, fetch_hint
 from uqbench.data.splits import ListDataset
 from uqbench.data.text import SentenceCollator, TextDataModule
 

@@ -11,7 +11,7 @@ from torch.utils.data import Dataset
 
 from uqbench.contracts import DataInfo
 from uqbench.data.base import DataModule
-from uqbench.data.layout import require
+from uqbench.data.on_disk import require
 
 
 def holdout_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -40,7 +40,7 @@ class ListDataset(Dataset):
 
 class SplitDataModule(DataModule):
     """A classification dataset on disk. Subclasses set ``layouts`` (the on-disk datasets they
-    need, :mod:`uqbench.data.layout`) and ``num_classes``, and fill ``self._datasets`` in
+    need, :mod:`uqbench.data.on_disk`) and ``num_classes``, and fill ``self._datasets`` in
     ``setup``."""
 
     layouts: tuple[str, ...] = ()

@@ -24,7 +24,7 @@ from torch.utils.data import Dataset
 
 from uqbench.contracts import InputBackbone
 from uqbench.data.base import check_modality
-from uqbench.data.layout import LAYOUTS, DatasetCorruptError, hf_split_files
+from uqbench.data.on_disk import LAYOUTS, DatasetCorruptError, hf_split_files
 from uqbench.data.splits import ListDataset, SplitDataModule, holdout_split
 
 DEFAULT_MAX_LENGTH = 128

@@ -3,7 +3,8 @@
 Member m's weight is the shared weight W (out × in) scaled by a rank-one matrix of its own,
 W_m = W ∘ (s_m r_mᵀ), so that a layer computes y = ((x ∘ r_m) Wᵀ) ∘ s_m + b_m with r_m (in,),
 s_m (out,) and a bias b_m (out,) per member, started from the wrapped layer's bias. All members
-run in one batch (``uqbench.methods.layers``: the input repeated once at the stem, member-major).
+run in one batch (``uqbench.methods.member_layers``: the input repeated once at the stem,
+member-major).
 
 ``train_shared: false`` keeps every pretrained weight frozen and trains r, s, b and the heads
 (the parameter-efficient form); ``true`` trains the shared weights as well (the paper's recipe:
@@ -22,7 +23,7 @@ from uqbench.backbones.base import Backbone
 from uqbench.contracts import DataInfo, one_of
 from uqbench.methods.base import MemberParameters
 from uqbench.methods.ensemble import EnsembleMethod, check_members
-from uqbench.methods.layers import (
+from uqbench.methods.member_layers import (
     MemberLinear,
     Qkv,
     Targets,

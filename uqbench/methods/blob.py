@@ -7,7 +7,7 @@ and whose B is deterministic: y = W x + b + γ·B (A x), A ~ q(A) = N(μ_A, σ_A
 initialisation B = 0, so every draw reproduces the pretrained layer.
 
 Samples as members. The posterior draws take the place of an ensemble's members: the batch is
-repeated once per draw at the stem (member-major, ``uqbench.methods.layers``) and block s of
+repeated once per draw at the stem (member-major, ``uqbench.methods.member_layers``) and block s of
 every layer's rows uses its own A_s = μ_A + σ_A ∘ ε_s, ε_s ~ N(0, I), shared by all examples
 and tokens of the block, so each block is one network drawn from q. Training runs
 ``train_samples`` blocks, evaluation ``samples``; logits (S, B, C) from one shared head, and
@@ -61,7 +61,7 @@ from torch import nn
 from uqbench.backbones.base import Backbone
 from uqbench.contracts import Batch, DataInfo
 from uqbench.methods.ensemble import EnsembleMethod, positive_int
-from uqbench.methods.layers import (
+from uqbench.methods.member_layers import (
     Inputs,
     MemberLinear,
     Qkv,

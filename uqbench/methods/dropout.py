@@ -25,7 +25,7 @@ from typing import Literal, get_args
 import torch
 from torch import nn
 
-from uqbench.methods.layers import repeat_members
+from uqbench.methods.member_layers import repeat_members
 
 LEVELS = 1 << 16  # 16-bit uniforms: the keep probability is a multiple of 1/65536
 Masks = Literal["fast", "torch"]

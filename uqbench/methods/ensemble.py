@@ -1,7 +1,8 @@
 """What every ensemble method shares: checks, the heads, what is trained, forward and loss.
 
-Members run in one forward pass, member-major along the batch axis (``uqbench.methods.layers``:
-``repeat_members``, the member-aware layers, their replacement in the backbone); the heads
+Members run in one forward pass, member-major along the batch axis
+(``uqbench.methods.member_layers``: ``repeat_members``, the member-aware layers, their
+replacement in the backbone); the heads
 (``uqbench.methods.heads``) return (M, B, C).
 
 What a method trains is declared, never inferred: each wrapper names its own parameters in
@@ -24,7 +25,7 @@ from uqbench.backbones.base import Backbone, stem_modules, stem_parameters
 from uqbench.contracts import Batch, DataInfo, one_of
 from uqbench.methods.base import MemberParameters, Method
 from uqbench.methods.heads import EnsembleHead, HeadInit, answer_rows, check_head_init
-from uqbench.methods.layers import (
+from uqbench.methods.member_layers import (
     Inputs,
     MemberLinear,
     repeat_members,

@@ -42,7 +42,7 @@ from torch import nn
 from uqbench.backbones.base import Backbone
 from uqbench.contracts import DataInfo, to_device
 from uqbench.methods.ensemble import EnsembleMethod, positive_int
-from uqbench.methods.layers import MemberLinear, Targets, replace_linears, resolve_targets
+from uqbench.methods.member_layers import MemberLinear, Targets, replace_linears, resolve_targets
 from uqbench.methods.multiple_choice import mask_absent
 
 log = logging.getLogger("uqbench")

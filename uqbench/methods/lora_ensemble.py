@@ -19,7 +19,7 @@ from torch import nn
 from uqbench.backbones.base import Backbone
 from uqbench.contracts import DataInfo
 from uqbench.methods.ensemble import EnsembleMethod, positive_int
-from uqbench.methods.layers import (
+from uqbench.methods.member_layers import (
     MemberLinear,
     Qkv,
     Targets,

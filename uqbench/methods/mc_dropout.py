@@ -50,7 +50,7 @@ from uqbench.methods.dropout import (
     repeat_at_first_dropout,
 )
 from uqbench.methods.ensemble import EnsembleMethod, Inputs, positive_int
-from uqbench.methods.layers import matches, repeat_members, split_members
+from uqbench.methods.member_layers import matches, repeat_members, split_members
 
 
 class MCDropout(EnsembleMethod):

@@ -22,7 +22,7 @@ from uqbench.backbones.base import Backbone
 from uqbench.contracts import Batch, DataInfo, one_of
 from uqbench.methods.ensemble import EnsembleMethod, check_sigma
 from uqbench.methods.heads import HeadInit
-from uqbench.methods.layers import (
+from uqbench.methods.member_layers import (
     Qkv,
     Targets,
     check_qkv,

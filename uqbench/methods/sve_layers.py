@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from uqbench.methods.layers import MemberLinear, frozen, matches, split_members
+from uqbench.methods.member_layers import MemberLinear, frozen, matches, split_members
 
 log = logging.getLogger("uqbench")
 ForwardMode = Literal["auto", "factorized", "materialized"]

@@ -4,8 +4,8 @@ Scans ``<runs_dir>/**/results.json`` and, for every experiment with a table, wri
 ``<out>/<experiment>.md``, ``.tex``, ``.csv`` and ``.command``: one row per combination of the
 row keys, each cell the mean ± std over seeds. The table's layout is the ``table:`` of the
 experiment's config, ``conf/experiment/<name>.yaml``, read when the tables are built (editing a
-title or a column redraws finished runs; :mod:`uqbench.report.layout`); an experiment without a
-config keeps the spec its runs copied into results.json. The spec::
+title or a column redraws finished runs; :mod:`uqbench.report.table_layout`); an experiment
+without a config keeps the spec its runs copied into results.json. The spec::
 
     table:
       title: "…"
@@ -72,8 +72,8 @@ from uqbench.report.claims import (
 )
 from uqbench.report.figures import summary_figure
 from uqbench.report.latex import to_latex
-from uqbench.report.layout import layout
 from uqbench.report.levels import write_levels
+from uqbench.report.table_layout import layout
 from uqbench.report.validation import Run, figure_specs, load_results, table_runs
 
 # --- writing -----------------------------------------------------------------------------------
@@ -81,7 +81,7 @@ from uqbench.report.validation import Run, figure_specs, load_results, table_run
 def tabled_experiments(runs_dir: Path, configs: Path | None = None
                        ) -> dict[str, tuple[dict[str, Any], list[Run]]]:
     """{experiment: (table spec, the runs that enter the table)} for every experiment with at
-    least one valid run and a table layout (:func:`uqbench.report.layout.layout`; ``configs``:
+    least one valid run and a table layout (:func:`uqbench.report.table_layout.layout`; ``configs``:
     a config folder searched besides the packaged one)."""
     by_exp: dict[str, list[Run]] = defaultdict(list)
     for run in load_results(runs_dir):
