@@ -1,6 +1,6 @@
 # p2_depth.md, p2_depth.tex, p2_depth.csv, p2_depth.png were made by (run from the folder the paths are relative to):
-uqbench-tables --runs /tmp/p2d/runs --out tables --experiment p2_depth
-# from 80 results.json under /tmp/p2d/runs:
+uqbench-tables --runs runs --out tables --experiment p2_depth
+# from 80 results.json under runs:
 #   p2_depth/polynomial/bnn_embedded/mlp_w16_d1/seed0/eval/polynomial,method.covariance=full/results.json
 #   p2_depth/polynomial/bnn_embedded/mlp_w16_d1/seed0/results.json
 #   p2_depth/polynomial/bnn_embedded/mlp_w16_d2/seed0/eval/polynomial,method.covariance=full/results.json

@@ -338,3 +338,16 @@ def test_no_result_number_is_typed_outside_a_citation(where):
     else:
         found = typed_numbers(text)
     assert not found, f"{where} types result numbers outside a marker: {found}"
+
+
+@pytest.mark.parametrize("where", ["README.md", "docs/results.md", "docs/p2.md"])
+def test_every_within_monte_carlos_error_has_its_coded_verdict_beside_it(where):
+    """A sentence that says a σ is "within Monte Carlo's error" cites the table's verdict
+    column (|z| ≤ 2, uqbench.report.building.within_cell) in the same sentence, or is the
+    definition of the rule itself; none reads the rule by eye."""
+    text = (ROOT / where).read_text()
+    for match in re.finditer(r"within Monte Carlo's\s+error", text):
+        sentence = text[match.start():match.start() + 700].split(". ")[0]
+        before = text[max(0, match.start() - 200):match.start()]
+        assert ("| within MC error -->" in sentence or "|z| ≤ 2" in sentence + before), (
+            where, text[match.start() - 80:match.start() + 120])
