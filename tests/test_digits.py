@@ -66,7 +66,7 @@ def test_no_level_pretrains_on_an_ood_image_or_class(monkeypatch, tmp_path):
     split = {"split_seed": 0, "kind_fraction": 0.25, "ood_classes": [3, 4]}
     splits = digits_splits(labels)
     for level in ("other", "near", "foundation"):
-        idx, _, _ = module.pretraining_images(level_recipe(level) | {"seed": 0}, split)
+        idx, _, _ = module.pretraining_images(level_recipe(level), split, seed=0)
         assert not set(labels[idx]) & {3, 4}, level  # no image of an OOD class, any level
         assert not set(idx) & set(np.concatenate([splits[k] for k in ("ood", "train", "val",
                                                                       "test")]))
@@ -256,7 +256,7 @@ def test_a_level_that_saw_the_downstream_kind_reads_only_the_kind_pool_besides(m
 
     def fake_train(recipe, split, seed, max_images, log):
         seen["idx"], seen["targets"], seen["classes"] = module.pretraining_images(
-            recipe | {"seed": seed}, split, max_images)
+            recipe, split, max_images, seed)
         raise RuntimeError("stop")  # only the data matters here
 
     monkeypatch.setattr(module, "train_supervised", fake_train)

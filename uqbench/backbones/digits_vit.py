@@ -48,6 +48,7 @@ from torch import nn
 
 from uqbench.backbones.timm_vit import TimmViT
 from uqbench.contracts import one_of, sha256_file
+from uqbench.data.digits import OOD_CLASSES, split_dict
 
 MODEL = "vit_tiny_patch16_224"
 # The design choices made on the validation split by `uqbench-pretrain --design` (the pooled
@@ -87,7 +88,8 @@ KIND_CLUSTERS = 10  # k-means clusters of the kind pool (twice its five digits: 
 FORMAT = 2  # bump when the pretraining code changes what a recipe produces
 SUBDIR = "digits_vit"
 # The digits split every level is pretrained on by default (= the digits dataset's defaults).
-DEFAULT_SPLIT: dict[str, Any] = {"split_seed": 0, "kind_fraction": 0.25, "ood_classes": [3, 4]}
+DEFAULT_SPLIT: dict[str, Any] = {"split_seed": 0, "kind_fraction": 0.25,
+                                 "ood_classes": list(OOD_CLASSES)}
 
 
 @contextmanager
@@ -159,8 +161,6 @@ def checkpoint_paths(cache_dir: str | Path, settings: dict[str, Any]) -> tuple[P
 def normal_split(split: dict[str, Any] | None) -> dict[str, Any]:
     """A split as checkpoints record it (:func:`~uqbench.data.digits.split_dict`; None: the
     default); a split without ``ood_classes`` is the first protocol's (None)."""
-    from uqbench.data.digits import split_dict
-
     split = dict(DEFAULT_SPLIT if split is None else split)
     return split_dict(split["split_seed"], split["kind_fraction"], split.get("ood_classes"))
 
@@ -228,12 +228,10 @@ class DigitsViT(TimmViT):
 
     def __init__(self, name: str, level: Level, cache_dir: str | Path, split_seed: int = 0,
                  kind_fraction: float = 0.25, pretrain_seed: int = 0,
-                 ood_classes: Sequence[int] | None = (3, 4), kind_targets: str = "clusters",
+                 ood_classes: Sequence[int] | None = OOD_CLASSES, kind_targets: str = "clusters",
                  targets: Sequence[str] = ("qkv", "proj", "fc1", "fc2"),
                  attention_targets: Sequence[str] = ("qkv", "proj")) -> None:
         self.level, self.cache_dir = level, Path(cache_dir).expanduser()
-        from uqbench.data.digits import split_dict
-
         split = split_dict(split_seed, kind_fraction, ood_classes)
         self.pretrain_seed, self.kind_targets = int(pretrain_seed), str(kind_targets)
         self.settings = pretrain_settings(level, split, self.pretrain_seed,

@@ -1,6 +1,6 @@
 """Pretrain the digits ViTs (`uqbench-pretrain`) and measure each level's linear probe.
 
-    uqbench-pretrain                            # every level, pretraining seeds 0 1 2
+    uqbench-pretrain                            # every level, pretraining seeds 0 … 4
     uqbench-pretrain other --seeds 0 --force    # rebuild one level and seed
     uqbench-pretrain --jobs 2 --cache-dir DIR   # two at a time; default dir: $UQBENCH_CACHE
                                                 # or .cache/uqbench (the runner's cache_dir)
@@ -142,12 +142,14 @@ def _train_transform(preprocessing: ImagePreprocessing, augment: bool) -> Callab
 
 
 def pretraining_images(recipe: dict[str, Any], split: dict[str, Any],
-                       max_images: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+                       max_images: int | None = None, seed: int = 0
+                       ) -> tuple[np.ndarray, np.ndarray, int]:
     """What a recipe trains on: indices into :func:`digit_images`, the target of each (aligned
     with the indices) and the number of targets. The pretraining images of the other digits keep
     their digit (as 0 … n−1) and ``kind_images`` of the kind pool (5–9; null: all) join them,
     targeted by their pixel clusters (``kind_targets: clusters``: k-means, never the labels) or
-    by their digit (no ``kind_targets``: the first protocol's)."""
+    by their digit (no ``kind_targets``: the first protocol's); ``seed``: the pretraining seed,
+    which seeds the clustering."""
     _, labels = digit_images(ARCHITECTURE["img_size"])
     splits = digits_splits(labels, int(split["split_seed"]),
                            kind_fraction=float(split["kind_fraction"]),
@@ -166,7 +168,7 @@ def pretraining_images(recipe: dict[str, Any], split: dict[str, Any],
         n = len(classes) + len(DOWNSTREAM_CLASSES)
     else:
         clusters = int(recipe["kind_clusters"])
-        extra_targets = len(classes) + kind_clusters(extra, clusters, int(recipe.get("seed", 0)))
+        extra_targets = len(classes) + kind_clusters(extra, clusters, int(seed))
         n = len(classes) + clusters
     order = np.argsort(np.concatenate([idx, extra]), kind="stable")
     return (np.concatenate([idx, extra])[order], np.concatenate([targets, extra_targets])[order],
@@ -194,7 +196,7 @@ def train_supervised(recipe: dict[str, Any], split: dict[str, Any], seed: int,
 
     torch.manual_seed(int(seed))
     images, labels = digit_images(ARCHITECTURE["img_size"])
-    idx, targets, classes = pretraining_images(recipe | {"seed": int(seed)}, split, max_images)
+    idx, targets, classes = pretraining_images(recipe, split, max_images, int(seed))
     full = np.full(len(labels), -1, dtype=np.int64)
     full[idx] = targets  # the target of each pretraining image, by its index into the digits
     preprocessing = ImagePreprocessing.from_backbone(_encoder_spec(), crop_pct=1.0)
