@@ -193,7 +193,8 @@ def test_scoring_a_run_on_another_dataset_keeps_its_own_scoring_options():
     command's."""
     from omegaconf import OmegaConf
 
-    from uqbench.runner.jobs.score import _eval_config
+    from uqbench.runner.jobs.score import _eval_spec
+    from uqbench.runner.spec import RunSpec
 
     target = "uqbench.tasks.classification.ClassificationTask"
     stored = {"task": {"_target_": target, "ece_bins": 10, "aggregation": "mean_logits"},
@@ -203,8 +204,9 @@ def test_scoring_a_run_on_another_dataset_keeps_its_own_scoring_options():
                             "dataset": {"name": "fake_images"}, "device": "cpu",
                             "save_predictions": False, "eval_splits": None,
                             "torch_threads": None})
-    run_cfg = _eval_config(cfg, stored, chosen=True, changed=[])
-    assert run_cfg.dataset.name == "fake_images"
-    assert (run_cfg.task.aggregation, run_cfg.task.ece_bins) == ("mean_logits", 10)
+    run = _eval_spec(RunSpec.of(cfg, check=False), stored, chosen=True, changed=[])
+    assert run.dataset.name == "fake_images"
+    assert (run.task.get("aggregation"), run.task.get("ece_bins")) == ("mean_logits", 10)
     other = OmegaConf.merge(cfg, {"task": {"_target_": "some.other.Task"}})
-    assert _eval_config(other, stored, chosen=True, changed=[]).task.aggregation == "mean_probs"
+    assert _eval_spec(RunSpec.of(other, check=False), stored, chosen=True,
+                      changed=[]).task.get("aggregation") == "mean_probs"

@@ -149,6 +149,9 @@ def test_tasks_build_only_on_contracts_and_metrics():
             for i in GRAPH[m] if _layer(i) not in allowed] == []
 
 
+GROUPS = ("backbone", "method", "dataset")
+
+
 def test_only_the_runner_composes_backbone_method_and_dataset():
     """Only the runner's jobs import both methods and data at run time (the training loop
     names their types under TYPE_CHECKING), and only the runner's jobs and the benchmark
@@ -160,9 +163,13 @@ def test_only_the_runner_composes_backbone_method_and_dataset():
     builders = set()
     for name, path in MODULES.items():
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Call) and ast.unparse(node.func) in ("build", "instantiate")
-                    and node.args and any(f"cfg.{g}" in ast.unparse(node.args[0])
-                                          for g in ("backbone", "method", "dataset"))):
+            if not isinstance(node, ast.Call):
+                continue
+            func = ast.unparse(node.func)
+            by_config = (func in ("build", "instantiate") and node.args
+                         and any(f"cfg.{g}" in ast.unparse(node.args[0]) for g in GROUPS))
+            by_spec = any(func.endswith(f".{g}.build") for g in GROUPS)  # spec.method.build()
+            if by_config or by_spec:
                 builders.add(name)
     assert {_layer(m) for m in builders} == {"runner", "bench"}
     assert builders & {"uqbench.runner.jobs.params", "uqbench.bench.ensembles"}
@@ -217,3 +224,23 @@ def test_no_two_modules_share_a_name_but_the_packages_base_classes():
     repeated = {n: p for n, p in names.items() if len(p) > 1 and n not in ("__init__.py",
                                                                            "base.py")}
     assert repeated == {}
+
+
+def test_below_the_entry_point_the_runner_takes_its_spec_not_the_config():
+    """The Hydra main makes the config a RunSpec once (uqbench.runner.spec); no function of a
+    job, of what the jobs share or of the engine takes a DictConfig. The two that do read one
+    before any spec exists: the dispatch table's ``job_of`` (the spec's ``job`` is its
+    answer) and the resolver Hydra calls for a scoring's log folder, which makes a spec."""
+    allowed = {("uqbench.runner.jobs", "job_of"), ("uqbench.runner.jobs.score", "_log_dir")}
+    takers = set()
+    for name, path in MODULES.items():
+        if not name.startswith(("uqbench.runner.jobs", "uqbench.runner.engine",
+                                "uqbench.runner.parts", "uqbench.runner.objective")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+                if any(a.annotation is not None and "DictConfig" in ast.unparse(a.annotation)
+                       for a in args):
+                    takers.add((name, node.name))
+    assert takers == allowed, sorted(takers - allowed)

@@ -271,7 +271,7 @@ def test_bad_options_are_refused_before_anything_is_built(key, value, field):
 
 
 def test_bad_option_is_refused_by_the_config_check(compose_cfg):
-    from uqbench.runner.parts import check_config
+    from uqbench.runner.spec import check_config
 
     cfg = compose_cfg(["backbone=tiny_vit", "dataset=fake_images", "method=blob"])
     check_config(cfg)  # the defaults pass

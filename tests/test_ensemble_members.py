@@ -280,7 +280,7 @@ def test_member_k_starts_as_member_k_and_counts_add_up_to_the_ensemble(cfg, meth
                                          r"deep_ensemble_independent, deep_ensemble_lp"),
 ])
 def test_bad_members_are_refused_before_anything_is_built(compose_cfg, overrides, match):
-    from uqbench.runner.parts import check_config
+    from uqbench.runner.spec import check_config
 
     cfg = compose_cfg(["backbone=tiny_vit", "dataset=fake_images", "method=deep_ensemble",
                        "method.members=2", *overrides])

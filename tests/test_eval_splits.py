@@ -14,7 +14,7 @@ from tests.helpers import run_cli
 from uqbench.configs import identity_overrides
 from uqbench.identity import differences
 from uqbench.runner.engine.evaluation import chosen_splits
-from uqbench.runner.parts import check_eval_splits
+from uqbench.runner.spec import check_eval_splits
 
 FAST = ["backbone=tiny_vit", "dataset=fake_images", "method=single", "trainer.epochs=1",
         "trainer.progress=false", "logger=none", "plot=false", "torch_threads=1"]
@@ -71,15 +71,17 @@ def test_the_names_are_checked_once_the_data_is_set_up_before_the_model_is_built
 
     from uqbench.methods.single import Single
     from uqbench.runner.parts import build_parts
+    from uqbench.runner.spec import RunSpec
 
     def built(*args, **kwargs):
         raise AssertionError("the model was built")
 
+    bad, good = (RunSpec.of(compose_cfg([*FAST, f"eval_splits=[{s}]"])) for s in ("tset", "val"))
     monkeypatch.setattr(Single, "__init__", built)
     with pytest.raises(ValueError, match="'tset' is not a split of dataset 'fake_images'"):
-        build_parts(compose_cfg([*FAST, "eval_splits=[tset]"]), torch.device("cpu"))
+        build_parts(bad, torch.device("cpu"))
     with pytest.raises(AssertionError, match="the model was built"):  # a good name gets there
-        build_parts(compose_cfg([*FAST, "eval_splits=[val]"]), torch.device("cpu"))
+        build_parts(good, torch.device("cpu"))
 
 
 def _resolved(compose_cfg, overrides: list[str]) -> dict:

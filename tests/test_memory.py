@@ -16,6 +16,7 @@ from hydra.core.global_hydra import GlobalHydra
 
 from uqbench.runner.engine.memory import Engine, block_activation_bytes, optimizer_states
 from uqbench.runner.jobs.params import params_job
+from uqbench.runner.spec import RunSpec
 
 FROZEN = (5552 - 2 * 2160) + 2 * 3136    # values held frozen: 7504
 TRAINED = 4 * 2 * (4 * 16 + 112) + 4 * (2 * 16 + 2)  # 1544
@@ -35,9 +36,9 @@ def memory():
     with initialize_config_module("uqbench.conf", version_base="1.3"):
         def job(*overrides: str, method: str = "sve") -> dict:
             mode = ["method.forward_mode=factorized"] if method == "sve" else []
-            return params_job(compose("config", overrides=[
+            return params_job(RunSpec.of(compose("config", overrides=[
                 "job=params", "dataset=none", "backbone=tiny_vit", f"method={method}",
-                "trainer=p1", *mode, *overrides]))["memory"]
+                "trainer=p1", *mode, *overrides])))["memory"]
 
         yield job
     GlobalHydra.instance().clear()

@@ -13,6 +13,7 @@ from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 
 from uqbench.runner.jobs.params import params_job
+from uqbench.runner.spec import RunSpec
 
 R = 8  # LoRA rank in p1_overhead
 
@@ -43,9 +44,9 @@ CASES = {
 def job():
     GlobalHydra.instance().clear()
     with initialize_config_module("uqbench.conf", version_base="1.3"):
-        yield lambda backbone, method: params_job(compose(
+        yield lambda backbone, method: params_job(RunSpec.of(compose(
             "config", overrides=["experiment=p1_overhead", f"backbone={backbone}",
-                                 f"method={method}"]))
+                                 f"method={method}"])))
     GlobalHydra.instance().clear()
 
 
@@ -68,8 +69,8 @@ def test_sve_and_lora_follow_the_closed_forms(job, backbone):
 def job_with():
     GlobalHydra.instance().clear()
     with initialize_config_module("uqbench.conf", version_base="1.3"):
-        yield lambda *overrides: params_job(compose(
-            "config", overrides=["experiment=p1_overhead", *overrides]))
+        yield lambda *overrides: params_job(RunSpec.of(compose(
+            "config", overrides=["experiment=p1_overhead", *overrides])))
     GlobalHydra.instance().clear()
 
 
@@ -159,8 +160,11 @@ def test_llama_sve_training_memory_fits_one_80gb_gpu_with_checkpointing(job):
 
 
 def test_overhead_options_that_are_not_a_mapping_are_refused():
-    """A list where the options mapping belongs is named, not read as options."""
-    from omegaconf import OmegaConf
-
+    """A list where the options mapping belongs is named, not read as options, when the job's
+    spec is built (before any backbone)."""
+    GlobalHydra.instance().clear()
+    with initialize_config_module("uqbench.conf", version_base="1.3"):
+        cfg = compose("config", overrides=["job=params", "+overhead=[cpu]"])
+    GlobalHydra.instance().clear()
     with pytest.raises(ValueError, match=r"overhead must be a mapping of options, got \['cpu'\]"):
-        params_job(OmegaConf.create({"overhead": ["cpu"]}))
+        RunSpec.of(cfg)

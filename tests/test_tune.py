@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from tests.helpers import run_cli
 from uqbench.runner import objective
+from uqbench.runner.spec import check_config
 from uqbench.tasks.classification import ClassificationTask
 from uqbench.tasks.regression import RegressionTask
 
@@ -103,13 +104,13 @@ def test_only_a_sweeper_that_reads_the_objective_has_a_direction(compose_cfg, in
 def test_an_objective_the_task_does_not_compute_is_refused_naming_the_valid_ones(compose_cfg):
     cfg = compose_cfg(["objective=val/accuracy"])
     with pytest.raises(ValueError) as err:
-        objective.check(cfg)
+        check_config(cfg)
     message = str(err.value)
     assert "'val/accuracy'" in message and "regression" in message
     for valid in ("val/nll", "val/rmse", "val/coverage_2sigma"):
         assert valid in message
-    objective.check(compose_cfg(["objective=null"]))  # none: nothing to check
-    objective.check(compose_cfg(["objective=val/rmse"]))
+    check_config(compose_cfg(["objective=null"]))  # none: nothing to check
+    check_config(compose_cfg(["objective=val/rmse"]))
 
 
 def test_a_direction_against_the_metric_is_refused_before_training(compose_cfg, in_sweep):
@@ -118,12 +119,12 @@ def test_a_direction_against_the_metric_is_refused_before_training(compose_cfg, 
     nll = compose_cfg(["objective=val/nll", "eval_splits=[val]"])
     in_sweep("minimize")
     with pytest.raises(ValueError, match="hydra.sweeper.direction=maximize"):
-        objective.check(accuracy)
-    objective.check(nll)
+        check_config(accuracy)
+    check_config(nll)
     in_sweep("maximize")
-    objective.check(accuracy)
+    check_config(accuracy)
     with pytest.raises(ValueError, match="hydra.sweeper.direction=minimize"):
-        objective.check(nll)
+        check_config(nll)
 
 
 @pytest.mark.parametrize("splits", [None, ["val", "test"], ["test"]])
@@ -133,9 +134,9 @@ def test_a_trial_that_would_score_test_is_refused_before_training(compose_cfg, i
     cfg = compose_cfg(["objective=val/nll", override])
     in_sweep()
     with pytest.raises(ValueError, match=r"eval_splits=.*validation split only"):
-        objective.check(cfg)
+        check_config(cfg)
     HydraConfig.instance().cfg = None
-    objective.check(cfg)  # a single run scores what it is told
+    check_config(cfg)  # a single run scores what it is told
 
 
 def test_a_sweep_needs_a_validation_split(in_sweep):

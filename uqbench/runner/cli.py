@@ -25,23 +25,26 @@ from uqbench.runner import objective, outcomes
 from uqbench.runner.engine import fabric as engine
 from uqbench.runner.engine.loop import NonFiniteLossError, Preempted
 from uqbench.runner.jobs import job_of, runner
-from uqbench.runner.jobs.score import scored_folder
-from uqbench.runner.jobs.stacked import stacked_job, stacked_seeds
+from uqbench.runner.jobs import score as _score  # noqa: F401  registers Hydra's uq.log_dir
+from uqbench.runner.jobs.stacked import stacked_job
 from uqbench.runner.outcomes import RunFailed
-from uqbench.runner.parts import check_config
+from uqbench.runner.spec import RunSpec, check_config
+
+__all__ = ["check_config", "main", "run", "run_summary"]
 
 log = logging.getLogger("uqbench")
 
 
-def run(cfg: DictConfig) -> dict[str, Any] | list[dict[str, Any]]:
+def run(cfg: DictConfig | RunSpec) -> dict[str, Any] | list[dict[str, Any]]:
     """Train and evaluate one configuration (or count its parameters: ``job=params``, or score
     a finished one: ``job=eval``); return the results dict (also written to disk). With
     ``stack_seeds``, the seeds train side by side and each member's results come back, in
-    order (:mod:`uqbench.runner.jobs.stacked`)."""
-    check_config(cfg)
-    if stacked_seeds(cfg) is not None:
-        return stacked_job(cfg)
-    return runner(job_of(cfg))(cfg)
+    order (:mod:`uqbench.runner.jobs.stacked`). A composed config becomes its checked spec
+    here (:meth:`RunSpec.of`), once."""
+    spec = cfg if isinstance(cfg, RunSpec) else RunSpec.of(cfg)
+    if spec.stack_seeds is not None:
+        return stacked_job(spec)
+    return runner(spec.job)(spec)
 
 
 def _drop_log_only_folder(cfg: DictConfig) -> None:
@@ -60,8 +63,8 @@ def _drop_log_only_folder(cfg: DictConfig) -> None:
     (folder / f"{hc.job.name}.log").unlink(missing_ok=True)
     # the folders Hydra may have made: below the runs folder, or a scoring's below its run
     bounds = [Path(str(cfg.paths.runs_dir)).resolve()]
-    if job_of(cfg) == "eval":
-        bounds.insert(0, scored_folder(cfg).resolve())
+    if job_of(cfg) == "eval":  # the spec may be what failed: the composed config's folders
+        bounds.insert(0, Path(str(cfg.get("eval_run") or cfg.run_dir)).expanduser().resolve())
     root = next((b for b in bounds if b in folder.resolve().parents), bounds[-1])
     for path in [folder.resolve(), *folder.resolve().parents]:
         if path == root or root not in path.parents:
@@ -75,22 +78,24 @@ def _drop_log_only_folder(cfg: DictConfig) -> None:
 
 @hydra.main(config_path="pkg://uqbench.conf", config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> float | None:
-    """One job; returns its validation objective (``objective``) for a sweeper that reads it."""
+    """One job; returns its validation objective (``objective``) for a sweeper that reads it.
+    The config becomes the job's spec here, checked once; nothing below reads the config."""
     with _stops(cfg), user_errors(on_error=lambda: _drop_log_only_folder(cfg)):
-        stored = _stored_results(cfg)
+        spec = RunSpec.of(cfg)
+        stored = _stored_results(spec)
         try:
-            outcome = run(cfg)
+            outcome = run(spec)
         except RunFailed as failed:
             return _failed(failed)
         except NonFiniteLossError as err:
             return _diverged(err)
         runs = outcome if isinstance(outcome, list) else [outcome]
-        reused = stored is not None and stored == _stored_results(cfg)
+        reused = stored is not None and stored == _stored_results(spec)
         for results in runs:
-            outcomes.record("reused" if reused else "done", results.get("run", cfg.run_dir))
+            outcomes.record("reused" if reused else "done", results.get("run", spec.run_dir))
         # a stacked job's objective: its members' mean
-        values = ([objective.value(cfg.get("objective"), results) for results in runs]
-                  if job_of(cfg) == "train" else [])
+        values = ([objective.value(spec.objective, results) for results in runs]
+                  if spec.job == "train" else [])
         known = [v for v in values if v is not None]
         value = sum(known) / len(known) if known and len(known) == len(values) else None
     for results in runs:
@@ -116,14 +121,14 @@ def run_summary(results: dict[str, Any], width: int = 100) -> str:
     return "\n".join(lines)
 
 
-def _stored_results(cfg: DictConfig) -> int | None:
+def _stored_results(spec: RunSpec) -> int | None:
     """The modification time (ns) of the results.json this job writes (a scoring's in its own
     folder, Hydra's output folder of the job), or None: tells a reused run from a new one."""
     from hydra.core.hydra_config import HydraConfig
 
     try:
         folder = (HydraConfig.get().runtime.output_dir if HydraConfig.initialized()
-                  else cfg.run_dir)
+                  else spec.run_dir)
         return (Path(str(folder)) / "results.json").stat().st_mtime_ns
     except (OSError, ValueError, KeyError):
         return None

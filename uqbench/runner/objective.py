@@ -9,11 +9,8 @@ such a sweep a missing objective is an error, for a single run it is only not re
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
-
-from omegaconf import DictConfig
-
-from uqbench.configs import build
 
 
 def sweeper_direction() -> str | None:
@@ -33,22 +30,19 @@ def sweeper_direction() -> str | None:
     return str(getattr(direction, "name", direction))
 
 
-def check(cfg: DictConfig) -> None:
+def check(objective: str, task: Any, dataset: str, eval_splits: Sequence[str] | None) -> None:
     """Before anything is read or built: ``objective`` must be a validation metric the task
-    computes, and, under a sweeper that reads it, better in the sweep's direction and the only
-    split scored validation (``eval_splits: [val]``: a selection run never scores test)."""
-    objective = cfg.get("objective")
-    if objective is None:
-        return
-    task = build(cfg.task)  # a small object: the metric names are its class's
+    (built: a small object, the metric names are its class's) computes, and, under a sweeper
+    that reads it, better in the sweep's direction and the only split scored validation
+    (``eval_splits: [val]``: a selection run never scores test)."""
     valid = task.metric_names("val")  # none declared: checked only once the run has metrics
     if valid and objective not in valid:
         raise ValueError(
             f"objective '{objective}' is not a validation metric of the {task.name} task "
-            f"(dataset '{cfg.dataset.name}'); choose one of: {', '.join(valid)} "
+            f"(dataset '{dataset}'); choose one of: {', '.join(valid)} "
             f"(or objective=null)")
-    direction, better = sweeper_direction(), task.direction(str(objective))
-    splits = cfg.get("eval_splits")
+    direction, better = sweeper_direction(), task.direction(objective)
+    splits = eval_splits
     if direction is not None and (splits is None or list(splits) != ["val"]):
         raise ValueError(
             f"eval_splits={'null' if splits is None else list(splits)}: a trial of a sweeper "

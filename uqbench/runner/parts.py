@@ -1,90 +1,27 @@
-"""What every job of the runner checks and builds: the whole config's types and choices, the
-seeds, the environment and the recipe entries a run records, and the method, data, task and
-backbone of a config, checked against each other (and the splits it scores against the data)
-before anything expensive is read or built.
+"""What every job of the runner builds from its spec (:mod:`uqbench.runner.spec`): the seeds,
+the environment and the recipe entries a run records, and the method, data, task and backbone,
+checked against each other (and the splits it scores against the data) before anything
+expensive is read or built.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from uqbench.configs import build, check_types, check_value, options_where
+from uqbench.configs import options_where
 from uqbench.contracts import to_device
 from uqbench.methods.base import Method
-from uqbench.runner import objective
 from uqbench.runner.engine.evaluation import Splits, chosen_splits
-from uqbench.runner.engine.fabric import resolve_device
-from uqbench.runner.jobs import job_of
+
+if TYPE_CHECKING:
+    from uqbench.runner.spec import RunSpec
 
 DIAGNOSTIC_INPUTS = 256  # test inputs handed to Method.diagnostics
-
-
-def check_config(cfg: DictConfig) -> None:
-    """Types and choices of the whole config, before anything is read, built or written: every
-    buildable group against its constructor's annotations, and the top-level keys."""
-    for group in ("backbone", "method", "dataset", "task", "trainer", "logger"):
-        if isinstance(cfg.get(group), DictConfig):
-            check_types(cfg[group], group)
-    _check_method_trainer(cfg)
-    check_value("seed", cfg.seed, int)
-    check_value("torch_threads", cfg.get("torch_threads"), int | None)
-    if cfg.get("torch_threads") is not None and cfg.torch_threads < 1:
-        raise ValueError(f"torch_threads must be >= 1 or null, got {cfg.torch_threads}")
-    resolve_device(str(cfg.device))
-    job = job_of(cfg)  # an unknown job: its one-line error, before anything is built
-    check_eval_splits(cfg.get("eval_splits"))
-    if job == "train":
-        objective.check(cfg)  # the metric a sweeper reads, before any data or model
-        _check_method_training(cfg)
-    if isinstance(cfg.get("logger"), DictConfig):
-        build(cfg.logger)  # a tracker's settings are checked as it is built (cheap, offline)
-
-
-def _method_hook(cfg: DictConfig, name: str) -> Any:
-    """The classmethod ``name`` of the config's method class, or None (no method group, no
-    ``_target_``, or no such hook)."""
-    from hydra.utils import get_object
-
-    method = cfg.get("method")
-    if not (isinstance(method, DictConfig) and method.get("_target_")):
-        return None
-    hook = getattr(get_object(str(method._target_)), name, None)
-    return hook if callable(hook) else None
-
-
-def _check_method_training(cfg: DictConfig) -> None:
-    """A method class may refuse to train with an option that only scores trained weights (a
-    classmethod ``check_train(settings: dict)``, e.g. the BNN's ``covariance: mixture``)."""
-    if (checker := _method_hook(cfg, "check_train")) is not None:
-        checker(OmegaConf.to_container(cfg.method, resolve=True))
-
-
-def _check_method_trainer(cfg: DictConfig) -> None:
-    """A method class may refuse a trainer setting it cannot serve (a classmethod
-    ``check_trainer(trainer: dict, method: dict)``, e.g. the Laplace methods and
-    half-precision weights)."""
-    trainer = cfg.get("trainer")
-    if isinstance(trainer, DictConfig) and (checker := _method_hook(cfg, "check_trainer")):
-        checker(OmegaConf.to_container(trainer, resolve=True),
-                OmegaConf.to_container(cfg.method, resolve=True))
-
-
-def check_eval_splits(value: Any) -> None:
-    """``eval_splits`` is null or a non-empty list of split names; the names are checked
-    against the dataset once its data is set up (:func:`build_parts`)."""
-    if value is None:
-        return
-    names = list(value) if isinstance(value, ListConfig | list | tuple) else []
-    if not names or not all(isinstance(n, str) and n for n in names):
-        shown = list(value) if isinstance(value, ListConfig) else value
-        raise ValueError(f"eval_splits must be null (every split the dataset declares) or a "
-                         f"non-empty list of split names such as [val], got {shown!r}")
 
 
 def environment() -> dict[str, Any]:
@@ -109,42 +46,42 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def seed_and_threads(cfg: DictConfig) -> None:
-    """A job's process as its config asks, before anything is built: the seeds, then the
+def seed_and_threads(spec: RunSpec) -> None:
+    """A job's process as its spec asks, before anything is built: the seeds, then the
     thread count where ``torch_threads`` sets one (the same float reductions as the run)."""
-    seed_everything(int(cfg.seed))
-    if cfg.get("torch_threads"):
-        torch.set_num_threads(int(cfg.torch_threads))
+    seed_everything(spec.seed)
+    if spec.torch_threads:
+        torch.set_num_threads(spec.torch_threads)
 
 
-def check_tasks_agree(cfg: DictConfig, method_factory: Any, data: Any, task: Any) -> None:
+def check_tasks_agree(spec: RunSpec, method_factory: Any, data: Any, task: Any) -> None:
     """The dataset, the task scoring it and the method must all mean the same problem."""
     if task.name != data.task:
         raise ValueError(
-            f"dataset '{cfg.dataset.name}' is a {data.task} dataset but task={task.name} was "
+            f"dataset '{spec.dataset.name}' is a {data.task} dataset but task={task.name} was "
             f"chosen; drop the task override (each dataset selects its own task)")
     method_task = getattr(getattr(method_factory, "func", method_factory), "task", None)
     if method_task is not None and method_task != data.task:
         raise ValueError(
-            f"method '{cfg.method.name}' solves {method_task} but dataset '{cfg.dataset.name}' "
+            f"method '{spec.method.name}' solves {method_task} but dataset '{spec.dataset.name}' "
             f"is a {data.task} task; pick a {data.task} method (one of: "
             f"{', '.join(options_where('method', 'task', data.task))}) or another dataset")
 
 
 
-def build_parts(cfg: DictConfig, device: torch.device, activation_checkpointing: bool = False
+def build_parts(spec: RunSpec, device: torch.device, activation_checkpointing: bool = False
                 ) -> tuple[Any, Any, Any, Any, Splits]:
-    """Method, data, task and backbone of ``cfg`` on ``device``, and the splits the run scores
+    """Method, data, task and backbone of ``spec`` on ``device``, and the splits the run scores
     (``eval_splits``): cheap things first, checked against each other before anything expensive
     is read or built (a split name the data lacks fails before any model is built)."""
-    method_factory = build(cfg.method)
-    data = build(cfg.dataset)
-    task = build(cfg.task)
-    check_tasks_agree(cfg, method_factory, data, task)
+    method_factory = spec.method.build()
+    data = spec.dataset.build()
+    task = spec.task.build()
+    check_tasks_agree(spec, method_factory, data, task)
     data.check()  # missing or partial data fails here, before any model is built
-    backbone = build(cfg.backbone)
+    backbone = spec.backbone.build()
     data.setup(backbone)
-    splits = chosen_splits(data, cfg.get("eval_splits"))
+    splits = chosen_splits(data, spec.eval_splits)
     backbone.device = device  # methods decompose and copy pretrained weights where they run
     if activation_checkpointing and not backbone.supports_activation_checkpointing:
         backbone.enable_activation_checkpointing(None)  # refuses, naming the backbones that can

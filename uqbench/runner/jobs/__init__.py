@@ -9,7 +9,8 @@
 Beside them, commands of their own: ``uqbench-combine`` (:mod:`~uqbench.runner.jobs.combine`,
 members trained as separate jobs scored as one ensemble) and ``uqbench-pretrain``
 (:mod:`~uqbench.runner.jobs.pretrain`, the digits backbones). Every job runs on the engine
-(:mod:`uqbench.runner.engine`); what a job is, is read here only (:func:`job_of`).
+(:mod:`uqbench.runner.engine`); what a job is, is read here only (:func:`job_of`, the run
+spec's ``job``).
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ def job_of(cfg: DictConfig | dict[str, Any]) -> str:
     return job
 
 
-def runner(job: str) -> Callable[[DictConfig], Any]:
-    """The function that runs ``job`` (a name of :data:`JOBS`)."""
+def runner(job: str) -> Callable[[Any], Any]:
+    """The function that runs ``job`` (a name of :data:`JOBS`), given the job's
+    :class:`~uqbench.runner.spec.RunSpec`."""
     module, name = JOBS[job].split(":")
-    function: Callable[[DictConfig], Any] = getattr(
+    function: Callable[[Any], Any] = getattr(
         import_module(f"uqbench.runner.jobs.{module}"), name)
     return function

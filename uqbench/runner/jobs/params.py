@@ -26,31 +26,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from uqbench.configs import build
 from uqbench.contracts import DataInfo
-from uqbench.records.results import group_settings, run_header
 from uqbench.runner.engine.memory import Engine, estimate, optimizer_states
 from uqbench.runner.parts import seed_everything
+from uqbench.runner.spec import RunSpec
 
 log = logging.getLogger("uqbench")
 DEFAULTS: dict[str, Any] = {"device": "meta", "num_classes": 2, "layouts": {}}
 ENGINE_KEYS = tuple(f.name for f in dataclasses.fields(Engine))
 
 
-def _mapping(node: Any, key: str) -> dict[str, Any]:
-    """The config mapping at ``key`` as plain Python, interpolations resolved."""
-    value = OmegaConf.to_container(node, resolve=True)
-    if not isinstance(value, dict):
-        raise ValueError(f"{key} must be a mapping of options, got {value!r}")
-    return {str(k): v for k, v in value.items()}
-
-
-def params_job(cfg: DictConfig) -> dict[str, Any]:
+def params_job(spec: RunSpec) -> dict[str, Any]:
     """Build backbone + method without weights; return the results pieces.
 
     Returns ``{"params": method.param_counts(), "settings": {...}, "metrics": {}}``; params holds
@@ -58,20 +50,19 @@ def params_job(cfg: DictConfig) -> dict[str, Any]:
     param_bytes, buffer_bytes, memory_bytes) at the dtypes the backbone config uses; SVE adds
     targeted_bytes, the memory of its wrapped layers (full rank or top-k, ``method.rank``).
     """
-    given = cfg.get("overhead")
-    opts = DEFAULTS | (_mapping(given, "overhead") if given else {})
+    opts = DEFAULTS | dict(spec.overhead or {})  # a mapping: the spec checked it
     num_classes = int(opts["num_classes"])
     if num_classes < 2:
         raise ValueError(f"overhead.num_classes must be >= 2, got {num_classes}")
-    backbone_cfg = _mapping(cfg.backbone, "backbone")
+    backbone_cfg = dict(spec.backbone.fields)
     if "pretrained" in backbone_cfg:
         backbone_cfg["pretrained"] = False  # the architecture only: never read weights here
     backbone = build(backbone_cfg)
-    factory = build(cfg.method)
+    factory = spec.method.build()
     method_task = getattr(getattr(factory, "func", factory), "task", None)
     if method_task != "classification":
         raise ValueError(f"job=params counts the classification ensembles; method "
-                         f"'{cfg.method.name}' solves {method_task}")
+                         f"'{spec.method.name}' solves {method_task}")
     info = DataInfo(task="classification", num_classes=num_classes)
     with torch.device(str(opts["device"])):
         method = factory(backbone=backbone, info=info)
@@ -79,20 +70,21 @@ def params_job(cfg: DictConfig) -> dict[str, Any]:
     log.info("%s on %s: base %.2fM, added %.3fM (%.3f %%), memory %.2f GB", method.name,
              backbone.name, params["base"] / 1e6, params["added"] / 1e6, params["overhead_pct"],
              params["memory_bytes"] / 1e9)
-    memory = training_memory(cfg, method, backbone, opts["layouts"])
+    memory = training_memory(spec, method, backbone, opts["layouts"])
     return {
         "params": params,
         "memory": memory,
-        "settings": {"method": group_settings(cfg.method) | method.settings(),
+        "settings": {"method": dict(spec.method.settings) | method.settings(),
                      "backbone": {k: v for k, v in backbone_cfg.items() if not k.startswith("_")},
                      "overhead": opts},
         "metrics": {},
     }
 
 
-def engine_of(trainer: DictConfig, replace: dict[str, Any] | None = None) -> Engine:
+def engine_of(trainer: Mapping[str, Any], replace: dict[str, Any] | None = None) -> Engine:
     """The trainer's engine settings (defaults where a recipe lacks one), ``replace`` applied."""
-    settings = {k: trainer.get(k) for k in ENGINE_KEYS if trainer.get(k) is not None}
+    settings: dict[str, Any] = {k: trainer.get(k) for k in ENGINE_KEYS
+                                if trainer.get(k) is not None}
     settings |= dict(replace or {})
     unknown = sorted(set(settings) - set(ENGINE_KEYS))
     if unknown:
@@ -107,13 +99,12 @@ def engine_of(trainer: DictConfig, replace: dict[str, Any] | None = None) -> Eng
     return Engine(**{**settings, "precision": str(settings.get("precision", "32"))})
 
 
-def training_memory(cfg: DictConfig, method: Any, backbone: Any,
+def training_memory(spec: RunSpec, method: Any, backbone: Any,
                     layouts: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     """The per-device training-memory estimate (:func:`uqbench.runner.engine.memory.estimate`)
     for the trainer's engine settings, with ``layouts`` (name → engine settings replaced) under
     ``layouts``; None without a batch size."""
-    trainer = cfg.get("trainer") or OmegaConf.create({})
-    dataset = cfg.get("dataset") or OmegaConf.create({})
+    trainer, dataset = spec.trainer.settings, spec.dataset.settings
     batch = trainer.get("batch_size") or dataset.get("batch_size")
     if batch is None:
         log.warning("job=params: no trainer.batch_size or dataset.batch_size, so no training "
@@ -124,7 +115,7 @@ def training_memory(cfg: DictConfig, method: Any, backbone: Any,
     states = optimizer_states(name, float(optimizer.get("momentum", 0) or 0))
     dims = backbone.transformer_dims()
     if dims is not None and dataset.get("max_length"):
-        dims = dataclasses.replace(dims, tokens=int(dataset.max_length))
+        dims = dataclasses.replace(dims, tokens=int(dataset["max_length"]))
     trained = list(method.trainable_parameters().values())
     ids = {id(p) for p in trained}
     frozen = [p for p in method.parameters() if id(p) not in ids]
@@ -151,29 +142,25 @@ def training_memory(cfg: DictConfig, method: Any, backbone: Any,
     return memory
 
 
-def params_run(cfg: DictConfig) -> dict[str, Any]:
+def params_run(spec: RunSpec) -> dict[str, Any]:
     """``job=params``: count the parameters of one configuration, no data, no training, and
     publish them as its run folder (reused like any finished run); return the results dict
     (also written to disk)."""
-    from pathlib import Path
-
     from uqbench.records.runfolder import RunFolder
     from uqbench.runner.engine.fabric import rank
     from uqbench.runner.jobs.train import _labels as labels
-    from uqbench.runner.jobs.train import _resolved as resolved
     from uqbench.runner.jobs.train import publish_run, reuse
 
-    with RunFolder(Path(cfg.run_dir), writer=rank() == 0) as folder:
-        if (existing := reuse(cfg, folder)) is not None:
+    with RunFolder(spec.run_dir, writer=rank() == 0) as folder:
+        if (existing := reuse(spec, folder)) is not None:
             return existing
-        config = resolved(cfg)
-        seed_everything(int(cfg.seed))
-        results = {**run_header(cfg), "job": "params", **params_job(cfg),
-                   "table": config.get("table")}
-        logger = build(cfg.logger)
-        logger.start(folder.run_dir, labels(cfg, config, "params"), config)
+        seed_everything(spec.seed)
+        results = {**spec.header(), "job": "params", **params_job(spec),
+                   "table": spec.config.get("table")}
+        logger = spec.logger.build()
+        logger.start(folder.run_dir, labels(spec, "params"), dict(spec.config))
         try:
-            publish_run(cfg, folder, config, results, {}, logger=logger)
+            publish_run(spec, folder, results, {}, logger=logger)
         finally:
             logger.finish(failed=True)  # a no-op after log_results closed it
         return results

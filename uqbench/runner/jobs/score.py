@@ -19,15 +19,14 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from uqbench.configs import build
 from uqbench.identity import scoring_options
 from uqbench.records.loggers import log_results, run_labels
-from uqbench.records.results import group_settings, write_stage
+from uqbench.records.results import write_stage
 from uqbench.records.runfolder import (
     ConfigMismatchError,
     RunExistsError,
@@ -41,58 +40,59 @@ from uqbench.runner.engine.evaluation import Splits, predict_splits, score
 from uqbench.runner.engine.fabric import resolve_device
 from uqbench.runner.outcomes import RunFailed
 from uqbench.runner.parts import build_parts, environment, method_diagnostics, seed_and_threads
+from uqbench.runner.spec import RunSpec, value_at
 from uqbench.tasks.classification import join_members
 
 log = logging.getLogger("uqbench")
 
 
-def eval_job(cfg: DictConfig) -> dict[str, Any]:
+def eval_job(spec: RunSpec) -> dict[str, Any]:
     """``job=eval``: score a finished run on a dataset; return the results (also on disk)."""
-    run_dir = scored_folder(cfg)
+    run_dir = spec.scored_folder
     stored, scored_run, sources = _sources(run_dir)
     keys = _command_keys()
     scoring = _scoring_overrides(keys, stored)
-    _refuse_unapplied(cfg, stored, [k for k in keys or [] if k not in scoring])
+    _refuse_unapplied(spec, stored, [k for k in keys or [] if k not in scoring])
     chosen, changed = _dataset_overrides(keys)
     changed += scoring  # put on the run's config, and named in the eval folder
     task_keys = [] if keys is None else sorted(k[5:] for k in keys if k.startswith("task."))
-    configs = {s: _eval_config(cfg, c, chosen, changed, task_keys) for s, c in sources.items()}
-    run_cfg = _eval_config(cfg, stored, chosen, changed, task_keys)
-    device, fallback = resolve_device(str(cfg.device))
-    out = _folder(cfg, run_dir, run_cfg, changed)
-    run_config = cast(dict[str, Any], OmegaConf.to_container(run_cfg, resolve=True))
+    specs = {s: _eval_spec(spec, c, chosen, changed, task_keys) for s, c in sources.items()}
+    run_spec = _eval_spec(spec, stored, chosen, changed, task_keys)
+    device, fallback = resolve_device(spec.device)
+    out = _folder(spec, run_dir, run_spec, changed)
+    run_config = dict(run_spec.config)
     with RunFolder(out, lock_on=run_dir) as folder:
-        if (kept := _kept(cfg, out, run_config)) is not None:
+        if (kept := _kept(spec, out, run_config)) is not None:
             return kept
-        header = {"job": "eval", "of_run": str(run_dir), "experiment": run_cfg.experiment_name,
-                  "run": run_cfg.run_subdir, "dataset": str(run_cfg.dataset.name),
-                  "method": str(run_cfg.method.name), "backbone": str(run_cfg.backbone.name),
-                  "seed": int(run_cfg.seed), "scored_from": [str(s) for s in sources],
+        header = {"job": "eval", "of_run": str(run_dir), "experiment": run_spec.experiment,
+                  "run": run_spec.run_subdir, "dataset": run_spec.dataset.name,
+                  "method": run_spec.method.name, "backbone": run_spec.backbone.name,
+                  "seed": run_spec.seed, "scored_from": [str(s) for s in sources],
                   # the method's scoring options the command changed (method.covariance=full)
-                  "scored_with": {k: _resolved(OmegaConf.select(cfg, k)) for k in scoring},
-                  "eval_splits": _resolved(run_cfg.get("eval_splits"))}
+                  "scored_with": {k: spec.at(k) for k in scoring},
+                  "eval_splits": run_config.get("eval_splits")}
         try:
-            results = _score_run(cfg, folder, configs, device, fallback, header, scored_run,
-                                 run_cfg, run_config, scoring)
+            results = _score_run(spec, folder, specs, device, fallback, header, scored_run,
+                                 run_spec, scoring)
         except (Exception, SystemExit) as err:  # the work had started: a failed scoring
             record = header | {"settings": scored_run.get("settings"), "failed": True,
                                "table": run_config.get("table")}
             raise RunFailed(out, err, record) from err
-    _track(cfg, run_cfg, run_config, results, out)
+    _track(spec, run_spec, results, out)
     return results
 
 
-def _score_run(cfg: DictConfig, folder: RunFolder, configs: dict[Path, DictConfig],
+def _score_run(spec: RunSpec, folder: RunFolder, specs: dict[Path, RunSpec],
                device: torch.device, fallback: str | None, header: dict[str, Any],
-               scored_run: dict[str, Any], run_cfg: DictConfig, run_config: dict[str, Any],
-               scoring: list[str]) -> dict[str, Any]:
+               scored_run: dict[str, Any], run_spec: RunSpec, scoring: list[str]
+               ) -> dict[str, Any]:
     """Predict, score and publish one scoring; its results."""
     start = time.perf_counter()
-    predictions, data, splits, task, diagnostics = _predict(configs, device)
+    predictions, data, splits, task, diagnostics = _predict(specs, device)
     metrics, calibration = score(predictions, task, splits.eval, splits.ood)
     metrics.update(diagnostics)
     results = {**header,
-               "settings": _settings(scored_run, run_cfg, data, scoring),
+               "settings": _settings(scored_run, run_spec, data, scoring),
                "params": scored_run.get("params"),  # the scored model's, unchanged
                "metrics": metrics, "calibration": calibration,
                "time": {"eval_s": time.perf_counter() - start},
@@ -100,38 +100,34 @@ def _score_run(cfg: DictConfig, folder: RunFolder, configs: dict[Path, DictConfi
                "device": str(device), "device_note": fallback,
                "recipe": scored_run.get("recipe") or {}}  # the scored run's choices
     with folder.staging() as stage:
-        write_stage(stage, run_config, results, predictions if cfg.save_predictions else {})
+        write_stage(stage, dict(run_spec.config), results,
+                    predictions if spec.save_predictions else {})
         folder.publish(stage)
     return results
 
 
-def scored_folder(cfg: DictConfig) -> Path:
-    """The run a scoring job scores: ``eval_run``, or the folder the command names."""
-    return Path(str(cfg.eval_run)).expanduser() if cfg.get("eval_run") else Path(cfg.run_dir)
-
-
-def _folder(cfg: DictConfig, run_dir: Path, run_cfg: DictConfig, changed: list[str]) -> Path:
+def _folder(spec: RunSpec, run_dir: Path, run_spec: RunSpec, changed: list[str]) -> Path:
     """``<run>/eval/<dataset>[,<key>=<value>…][,eval_splits=[…]]``: the scoring's folder, named
     by the dataset scored, the dataset keys and scoring options the command changed, and the
     splits when restricted."""
-    return run_dir / "eval" / ",".join([str(run_cfg.dataset.name), *(
-        f"{k}={OmegaConf.select(cfg, k)}" for k in changed), *_restricted(cfg)])
+    return run_dir / "eval" / ",".join([run_spec.dataset.name, *(
+        f"{k}={spec.at(k)}" for k in changed), *_restricted(spec)])
 
 
-def eval_folder(cfg: DictConfig) -> Path:
+def eval_folder(spec: RunSpec) -> Path:
     """The folder a ``job=eval`` command writes (:func:`_folder`), from its config and the
     scored run's stored one, without building anything; Hydra puts the job's log there (the
     ``uq.log_dir`` resolver), so a scoring keeps its log beside its results. Raises what
     :func:`eval_job` would for a run that cannot be scored (no finished run there)."""
-    run_dir = scored_folder(cfg)
+    run_dir = spec.scored_folder
     stored, _ = finished(run_dir)
     keys = _command_keys()
     chosen, changed = _dataset_overrides(keys)
     changed += _scoring_overrides(keys, stored)
-    return _folder(cfg, run_dir, _eval_config(cfg, stored, chosen, changed), changed)
+    return _folder(spec, run_dir, _eval_spec(spec, stored, chosen, changed), changed)
 
 
-def _settings(scored_run: dict[str, Any], run_cfg: DictConfig, data: Any,
+def _settings(scored_run: dict[str, Any], run_spec: RunSpec, data: Any,
               scoring: list[str]) -> dict[str, Any]:
     """The scored run's settings as this job scored with them: its own method, backbone and
     trainer settings, with the scoring options the command changed put in (``method.covariance:
@@ -142,9 +138,9 @@ def _settings(scored_run: dict[str, Any], run_cfg: DictConfig, data: Any,
     for key in scoring:  # method.<option>: a scoring option of the run's method
         group, _, option = key.partition(".")
         settings[group] = dict(settings.get(group) or {}) | {
-            option: _resolved(OmegaConf.select(run_cfg, key))}
-    return settings | {"dataset": group_settings(run_cfg.dataset) | data.settings(),
-                       "task": group_settings(run_cfg.task)}
+            option: run_spec.at(key)}
+    return settings | {"dataset": run_spec.dataset.settings | data.settings(),
+                       "task": run_spec.task.settings}
 
 
 def _sources(run_dir: Path
@@ -165,19 +161,14 @@ def _sources(run_dir: Path
     return stored, scored, sources
 
 
-def _restricted(cfg: DictConfig) -> list[str]:
+def _restricted(spec: RunSpec) -> list[str]:
     """The eval folder's name part for restricted splits (``eval_splits=[val]``), or none."""
-    splits = cfg.get("eval_splits")
+    splits = spec.eval_splits
     return [] if splits is None else [
         "eval_splits=[" + ",".join(str(s).replace("/", "_") for s in splits) + "]"]
 
 
-def _resolved(value: Any) -> Any:
-    """A config value as plain data (a list for a ListConfig)."""
-    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-
-
-def _kept(cfg: DictConfig, out: Path, requested: dict[str, Any]) -> dict[str, Any] | None:
+def _kept(spec: RunSpec, out: Path, requested: dict[str, Any]) -> dict[str, Any] | None:
     """The stored results where skip_existing keeps them; None where this job scores.
 
     skip_existing (and a multirun, always) keeps only a scoring of the same configuration:
@@ -186,30 +177,30 @@ def _kept(cfg: DictConfig, out: Path, requested: dict[str, Any]) -> dict[str, An
     work; overwrite=true scores again and replaces it. The folder's name shows only the
     options the command named, so this is what keeps a stale scoring from passing for
     today's."""
-    if not (out / "results.json").is_file() or cfg.overwrite:
+    if not (out / "results.json").is_file() or spec.overwrite:
         return None
     if diff := stored_differences(out, requested):
         raise ConfigMismatchError(
             f"{out} holds a scoring of another configuration:\n  " + "\n  ".join(diff)
             + "\nskip_existing=true keeps only the same configuration's: pass overwrite=true "
               "to score it again (the stored scoring is replaced)")
-    if cfg.skip_existing or outcomes.sweep_dir() is not None:  # a multirun reuses it
+    if spec.skip_existing or outcomes.sweep_dir() is not None:  # a multirun reuses it
         kept: dict[str, Any] = json.loads((out / "results.json").read_text())
         return kept
     raise RunExistsError(f"{out}/results.json already exists: overwrite=true replaces "
                          f"it, skip_existing=true keeps it")
 
 
-def _predict(configs: dict[Path, DictConfig], device: torch.device
+def _predict(specs: dict[Path, RunSpec], device: torch.device
              ) -> tuple[dict[str, Any], Any, Splits, Any, dict[str, float]]:
     """Predictions of the splits scored (members' joined in member order), the data, those
     splits and the task that scores them, and the method's own diagnostics (a model from one
     checkpoint only)."""
     parts = []
-    for source, source_cfg in configs.items():
+    for source, source_spec in specs.items():
         state = checkpoints.load(source / checkpoints.FINAL)
-        seed_and_threads(source_cfg)
-        method, data, task, _, splits = build_parts(source_cfg, device)
+        seed_and_threads(source_spec)
+        method, data, task, _, splits = build_parts(source_spec, device)
         method.load_trainable_state({k: v.to(device) for k, v in state["trainable"].items()})
         method.fit_posthoc(data, device)  # e.g. a Laplace posterior, refitted on these weights
         parts.append(predict_splits(method, data, task, device, splits))
@@ -222,38 +213,35 @@ def _predict(configs: dict[Path, DictConfig], device: torch.device
     return predictions, data, splits, task, diagnostics
 
 
-def _track(cfg: DictConfig, run_cfg: DictConfig, run_config: dict[str, Any],
-           results: dict[str, Any], out: Path) -> None:
+def _track(spec: RunSpec, run_spec: RunSpec, results: dict[str, Any], out: Path) -> None:
     """Hand the results to the tracker, in the folder of the scored run's experiment."""
-    tracked = cfg.copy()
-    tracked.experiment_name = run_cfg.experiment_name
-    logger = build(tracked.logger)
+    logger = spec.derive({"experiment_name": run_spec.experiment}).logger.build()
     choices = {g: str(results[g]) for g in ("method", "backbone", "dataset")}
-    labels = run_labels(run_config, choices, "eval", f"{run_cfg.run_subdir}/eval/{out.name}",
-                        setting=str(run_cfg.run_subdir))
-    logger.start(out, labels, run_config)
+    labels = run_labels(dict(run_spec.config), choices, "eval",
+                        f"{run_spec.run_subdir}/eval/{out.name}", setting=run_spec.run_subdir)
+    logger.start(out, labels, dict(run_spec.config))
     log_results(logger, results, out, [])
 
 
-def _eval_config(cfg: DictConfig, stored: dict, chosen: bool, changed: list[str],
-                 task_keys: Sequence[str] = ()) -> DictConfig:
-    """A stored run config with the command's dataset (or dataset keys), device and output
-    choices put in; ``task_keys``: the ``task.<key>`` names the command set."""
+def _eval_spec(spec: RunSpec, stored: dict, chosen: bool, changed: list[str],
+               task_keys: Sequence[str] = ()) -> RunSpec:
+    """The spec of a stored run's config with the command's dataset (or dataset keys), device
+    and output choices put in; ``task_keys``: the ``task.<key>`` names the command set."""
     run_cfg = OmegaConf.create(stored)
     if chosen:  # another dataset: its config and task from the command
-        task = cfg.task
-        if stored.get("task", {}).get("_target_") == cfg.task.get("_target_"):
+        task: Any = spec.task.node
+        if stored.get("task", {}).get("_target_") == spec.task.target:
             # the same kind of task: the run's own scoring options (aggregation, ECE bins)
             # stay, unless the command sets them (task.<key>=…)
-            task = OmegaConf.merge(stored["task"], {k: cfg.task[k] for k in task_keys})
-        run_cfg.dataset, run_cfg.task = cfg.dataset, task
+            task = OmegaConf.merge(stored["task"], {k: spec.task.fields[k] for k in task_keys})
+        run_cfg.dataset, run_cfg.task = spec.dataset.node, task
     for key in changed:  # dataset.<key>=<value>: on top of the run's dataset
-        OmegaConf.update(run_cfg, key, OmegaConf.select(cfg, key), force_add=True)
+        OmegaConf.update(run_cfg, key, spec.at(key), force_add=True)
     for key in ("device", "save_predictions", "eval_splits"):
-        run_cfg[key] = cfg.get(key)
-    if cfg.get("torch_threads") is not None:  # else the run's own: the same float reductions
-        run_cfg.torch_threads = cfg.torch_threads
-    return run_cfg
+        run_cfg[key] = spec.config.get(key)
+    if spec.torch_threads is not None:  # else the run's own: the same float reductions
+        run_cfg.torch_threads = spec.torch_threads
+    return RunSpec.of(run_cfg, check=False)
 
 
 def _command_keys() -> list[str] | None:
@@ -276,19 +264,18 @@ def _scoring_overrides(keys: list[str] | None, stored: dict[str, Any]) -> list[s
     return sorted(k for k in keys or [] if k.startswith("method.") and k[7:] in allowed)
 
 
-def _refuse_unapplied(cfg: DictConfig, stored: dict[str, Any], keys: list[str]) -> None:
+def _refuse_unapplied(spec: RunSpec, stored: dict[str, Any], keys: list[str]) -> None:
     """A scoring job scores the run as it was trained: a command's method, backbone or trainer
     setting that differs from the run's (``method.rank=4`` on a rank-8 run) would be silently
     ignored, so it is refused; the method's scoring options are not among ``keys``. Settings
     equal to the run's pass (a sweep ``job=train,eval`` gives both jobs the same overrides)."""
-    run_cfg = OmegaConf.create(stored)
     differ = []
     for key in keys:
         if key.split(".")[0] not in FROM_RUN:
             continue
         path = key if "." in key else f"{key}.name"  # method=sve: the option chosen, by name
-        asked = _resolved(OmegaConf.select(cfg, path, default=None))
-        ran = _resolved(OmegaConf.select(run_cfg, path, default=None))
+        asked = spec.at(path)
+        ran = value_at(stored, path)
         if asked != ran:
             differ.append(f"{path}={asked} (the run has {ran})")
     if differ:
@@ -318,7 +305,7 @@ def _log_dir(default: str, *, _root_: DictConfig) -> str:
     if _root_.get("job") != "eval":
         return default
     try:
-        return str(eval_folder(_root_).absolute())
+        return str(eval_folder(RunSpec.of(_root_, check=False)).absolute())
     except Exception:  # noqa: BLE001 - raised again, with the job's own message, by the job
         return default
 

@@ -33,73 +33,44 @@ refused before anything is built. A member whose folder holds its results is reu
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.utils import get_class
-from omegaconf import DictConfig, ListConfig, open_dict
 from tqdm.auto import tqdm
 
-from uqbench.configs import build
 from uqbench.contracts import to_device
-from uqbench.records.results import run_header
 from uqbench.records.runfolder import RunFolder
 from uqbench.runner.engine import fabric as engine
 from uqbench.runner.engine.checkpoints import rng_state, set_rng_state
 from uqbench.runner.engine.loop import NonFiniteLossError, epoch_line, progress_mode, schedule
-from uqbench.runner.jobs import job_of
 from uqbench.runner.jobs.train import (
     Built,
     _build,
     _labels,
     _launch,
-    _resolved,
     _start_process,
     check_batch,
     conclude,
     resume_point,
     reuse,
+    trained_spec,
 )
+from uqbench.runner.spec import RunSpec
 
 log = logging.getLogger("uqbench")
 
 
-def stacked_seeds(cfg: DictConfig) -> list[int] | None:
-    """The seeds of ``stack_seeds``, checked (distinct integers, the job's ``seed`` one of
-    them); None when the job trains its one ``seed``."""
-    given = cfg.get("stack_seeds")
-    if given is None:
-        return None
-    if not isinstance(given, (list, ListConfig)) or not given:
-        raise ValueError(f"stack_seeds must be a non-empty list of seeds, e.g. [0,1,2], or "
-                         f"null; got {given!r}")
-    bad = [s for s in given if isinstance(s, bool) or not isinstance(s, int)]
-    if bad:
-        raise ValueError(f"stack_seeds holds {bad[0]!r}, not an integer seed")
-    seeds = [int(s) for s in given]
-    if len(set(seeds)) < len(seeds):
-        raise ValueError(f"stack_seeds {seeds} names a seed twice")
-    if int(cfg.seed) not in seeds:
-        raise ValueError(f"seed={cfg.seed} is not one of stack_seeds {seeds}: the job's log and "
-                         f"Hydra folder are its seed's run folder; set seed={seeds[0]}")
-    return seeds
-
-
-def check_stackable(cfg: DictConfig, trainer: Any) -> None:
+def check_stackable(spec: RunSpec, trainer: Any) -> None:
     """Refuse, before anything is built, a job whose members could not train side by side
     exactly as in their own jobs (the module's docstring)."""
-    if (job := job_of(cfg)) != "train":
-        raise ValueError(f"stack_seeds trains seeds side by side; job={job} trains nothing: "
-                         f"drop stack_seeds")
-    target = cfg.method.get("_target_")
-    refuse = getattr(get_class(target), "stack_refusal", None) if isinstance(target, str) else None
-    settings = {str(k): v for k, v in cfg.method.items() if not str(k).startswith("_")}
-    refusal: str | None = (refuse(settings) if callable(refuse) else
-                           f"method '{cfg.method.get('name')}' has no method class")
+    if spec.job != "train":
+        raise ValueError(f"stack_seeds trains seeds side by side; job={spec.job} trains "
+                         f"nothing: drop stack_seeds")
+    refuse = spec.method.hook("stack_refusal")
+    refusal: str | None = (refuse(dict(spec.method.settings)) if refuse is not None else
+                           f"method '{spec.method.get('name')}' has no method class")
     layout = {"trainer.devices × num_nodes": (trainer.world_size, trainer.world_size == 1, 1),
               "trainer.accumulate": (trainer.accumulate, trainer.accumulate == 1, 1),
               "trainer.select": (trainer.select, trainer.select == "last", "last"),
@@ -115,39 +86,33 @@ def check_stackable(cfg: DictConfig, trainer: Any) -> None:
                          f"stack_seeds (sweep seed=... instead) to train each in its own job")
 
 
-def member_config(cfg: DictConfig, seed: int) -> DictConfig:
-    """The config of member ``seed``: its own job's (``seed: <k>``, ``stack_seeds: null``); the
+def member_spec(spec: RunSpec, seed: int) -> RunSpec:
+    """The spec of member ``seed``: its own job's (``seed: <k>``, ``stack_seeds: null``); the
     run folder follows from it."""
-    member = copy.deepcopy(cfg)
-    with open_dict(member):
-        member.seed = seed
-        member.stack_seeds = None
-    return member
+    return spec.derive({"seed": seed, "stack_seeds": None})
 
 
-def stacked_job(cfg: DictConfig) -> list[dict[str, Any]]:
+def stacked_job(spec: RunSpec) -> list[dict[str, Any]]:
     """Train and score the seeds of ``stack_seeds`` side by side (the module's docstring);
     return each member's results, in the order of ``stack_seeds``."""
-    seeds = stacked_seeds(cfg)
+    seeds = spec.stack_seeds
     assert seeds is not None  # the runner calls this for a stacked job only
-    trainer = build(cfg.trainer)
-    if trainer.batch_size is not None:  # the recipe's batch, recorded where it acts
-        cfg.dataset.batch_size = trainer.batch_size
-    check_stackable(cfg, trainer)
-    check_batch(cfg, trainer)
-    device, fallback = engine.resolve_device(str(cfg.device))
+    spec, trainer = trained_spec(spec)
+    check_stackable(spec, trainer)
+    check_batch(spec, trainer)
+    device, fallback = engine.resolve_device(spec.device)
     engine.check(device, trainer)
-    members = {seed: member_config(cfg, seed) for seed in seeds}
+    members = {seed: member_spec(spec, seed) for seed in seeds}
     results: dict[int, dict[str, Any]] = {}
     with contextlib.ExitStack() as held:
-        folders = {seed: held.enter_context(RunFolder(Path(c.run_dir))) for seed, c in
+        folders = {seed: held.enter_context(RunFolder(m.run_dir)) for seed, m in
                    members.items()}
         todo = []
         for seed, member in members.items():
             folder = folders[seed]
             if (kept := reuse(member, folder)) is not None:
                 results[seed] = kept
-            elif resume_point(member, folder.run_dir, _resolved(member)) is not None:
+            elif resume_point(member, folder.run_dir) is not None:
                 log.info("seed %s continues its unfinished run on its own", seed)
                 results[seed] = _launch(member, folder)
             else:
@@ -158,7 +123,7 @@ def stacked_job(cfg: DictConfig) -> list[dict[str, Any]]:
     return [results[seed] for seed in seeds]
 
 
-def _train_members(members: dict[int, tuple[DictConfig, RunFolder]], trainer: Any,
+def _train_members(members: dict[int, tuple[RunSpec, RunFolder]], trainer: Any,
                    device: torch.device, fallback: str | None) -> dict[int, dict[str, Any]]:
     """Build each member under its seed, fit them side by side, then score and publish each
     from its own random state where its own job's fit would have left it."""
@@ -176,9 +141,8 @@ def _train_members(members: dict[int, tuple[DictConfig, RunFolder]], trainer: An
     done = {}
     for seed, (member, folder) in members.items():
         set_rng_state(streams[seed])
-        config = _resolved(member)
-        logger = build(member.logger)
-        logger.start(folder.run_dir, _labels(member, config, "train"), config)
+        logger = member.logger.build()
+        logger.start(folder.run_dir, _labels(member, "train"), dict(member.config))
         try:
             for epoch, metrics in fit["history"][seed]:
                 logger.log_metrics(metrics, step=epoch)
@@ -186,8 +150,8 @@ def _train_members(members: dict[int, tuple[DictConfig, RunFolder]], trainer: An
                      "selected_epoch": trainer.epochs, "selected_by": "last",
                      "selected_value": None, "steps_run": fit["steps_run"],
                      "resumed_at": None, "stacked_with": list(members)}
-            results = conclude(member, folder, config, run_header(member), trainer, fabric,
-                               fallback, built[seed], train, logger)
+            results = conclude(member, folder, member.header(), trainer, fabric, fallback,
+                               built[seed], train, logger)
             assert results is not None  # one process: rank 0
             done[seed] = results
         finally:

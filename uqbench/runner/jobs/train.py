@@ -24,16 +24,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
 
-from uqbench.configs import build
 from uqbench.identity import differences
 from uqbench.records.loggers import Logger, NullLogger, RunLabels, log_results, run_labels
-from uqbench.records.results import group_choices, group_settings, run_header, write_stage
+from uqbench.records.results import write_stage
 from uqbench.records.runfolder import ConfigMismatchError, RunExistsError, RunFolder
 from uqbench.runner import objective, outcomes, parts
 from uqbench.runner.engine import checkpoints
@@ -48,88 +46,98 @@ from uqbench.runner.parts import (
     method_diagnostics,
     seed_and_threads,
 )
+from uqbench.runner.spec import RunSpec
 
 log = logging.getLogger("uqbench")
 
 
-def train_job(cfg: DictConfig) -> dict[str, Any]:
+def train_job(spec: RunSpec) -> dict[str, Any]:
     """Train and evaluate one configuration in its run folder; return the results dict (also
     written to disk)."""
-    with RunFolder(Path(cfg.run_dir), writer=engine.rank() == 0) as folder:
-        return _launch(cfg, folder)
+    with RunFolder(spec.run_dir, writer=engine.rank() == 0) as folder:
+        return _launch(spec, folder)
 
 
 # --- the training job: checks, then one launch per process ----------------------------------
 
-def _launch(cfg: DictConfig, folder: RunFolder) -> dict[str, Any]:
+def trained_spec(spec: RunSpec) -> tuple[RunSpec, Any]:
+    """The trainer a training job builds (it checks its own settings:
+    :class:`uqbench.runner.engine.loop.Trainer`) and the job's spec with the recipe's batch
+    (``trainer.batch_size``) put where it acts, ``dataset.batch_size``: the run's config
+    records it there."""
+    trainer = spec.trainer.build()
+    if trainer.batch_size is not None and spec.dataset.get("batch_size") != trainer.batch_size:
+        spec = spec.derive({"dataset.batch_size": trainer.batch_size})
+    return spec, trainer
+
+
+def _launch(spec: RunSpec, folder: RunFolder) -> dict[str, Any]:
     """Check the trainer, reuse a finished run, find the checkpoint, launch :func:`_train`."""
-    trainer = build(cfg.trainer)  # checks its own settings (uqbench.runner.engine.loop.Trainer)
-    if trainer.batch_size is not None:  # the recipe's batch, recorded where it acts
-        cfg.dataset.batch_size = trainer.batch_size
+    spec, trainer = trained_spec(spec)
     if not trainer.updates_weights:
         log.warning("trainer.epochs=%s, lr=%s: the untrained model is evaluated "
                     "(results.json: train.updated_weights=false)", trainer.epochs,
-                    cfg.trainer.optimizer.get("lr"))
-    check_batch(cfg, trainer)
-    device, fallback = resolve_device(str(cfg.device))
+                    (spec.trainer.get("optimizer") or {}).get("lr"))
+    check_batch(spec, trainer)
+    device, fallback = resolve_device(spec.device)
     engine.check(device, trainer)  # a layout this machine cannot run fails here
-    if (existing := reuse(cfg, folder)) is not None:
+    if (existing := reuse(spec, folder)) is not None:
         return existing
-    config = _resolved(cfg)
-    resume = resume_point(cfg, folder.run_dir, config)
+    resume = resume_point(spec, folder.run_dir)
     fabric = engine.fabric(device, trainer)  # after the reuse: a skipped run never loads it
     if fallback:
         log.warning("%s", fallback)
     # Everything a process needs, resolved here: spawned processes have no Hydra context.
-    job_cfg = OmegaConf.create(config)
+    job_spec = spec.resolved()
     spawns = fabric.world_size > 1 and not engine.external_processes()
     with engine.StopRequest(forward=True) if spawns else contextlib.nullcontext():
-        outcome = fabric.launch(_train, job_cfg, folder, trainer, run_header(cfg), resume,
+        outcome = fabric.launch(_train, job_spec, folder, trainer, spec.header(), resume,
                                 fallback)
     if isinstance(outcome, Preempted):
         raise outcome
     return outcome
 
 
-def reuse(cfg: DictConfig, folder: RunFolder) -> dict[str, Any] | None:
+def reuse(spec: RunSpec, folder: RunFolder) -> dict[str, Any] | None:
     """A finished run's results skip_existing may return; None: run. Refuses another config.
     In a multirun a finished run of the same configuration is always reused (overwrite=true
     replaces it), so that the same sweep again retrains only its failed and missing runs."""
     in_sweep = outcomes.sweep_dir() is not None
-    kept = folder.reuse(_resolved(cfg), cfg.overwrite, bool(cfg.skip_existing) or in_sweep)
+    kept = folder.reuse(dict(spec.config), spec.overwrite, spec.skip_existing or in_sweep)
     if kept is not None:
         log.info("skip: %s holds this configuration's results (%s)", folder.run_dir,
-                 "skip_existing=true" if cfg.skip_existing else "a sweep reuses them")
+                 "skip_existing=true" if spec.skip_existing else "a sweep reuses them")
     return kept
 
 
-def check_batch(cfg: DictConfig, trainer: Any) -> None:
+def check_batch(spec: RunSpec, trainer: Any) -> None:
     """The step's batch must split evenly enough over the processes and micro-batches."""
     parts = trainer.world_size * trainer.accumulate
-    if parts > 1 and int(cfg.dataset.batch_size) < parts:
+    batch = spec.dataset.get("batch_size")
+    if parts > 1 and int(batch) < parts:
         raise ValueError(
-            f"the batch of {cfg.dataset.batch_size} examples per optimiser step cannot be cut "
+            f"the batch of {batch} examples per optimiser step cannot be cut "
             f"into {trainer.world_size} processes × {trainer.accumulate} micro-batches "
             f"(trainer.devices × num_nodes × accumulate); raise trainer.batch_size or lower "
             f"trainer.accumulate")
 
 
-def resume_point(cfg: DictConfig, run_dir: Path, config: dict) -> Path | None:
+def resume_point(spec: RunSpec, run_dir: Path) -> Path | None:
     """The checkpoint this run continues from, or None; refuses one of another configuration
     (showing the difference) or an unreadable one (naming it, keeping it)."""
     path = run_dir / checkpoints.RESUME
     if not path.exists():
         return None
     state = checkpoints.load(path)
-    diff = differences(state.get("config") or {}, config)
+    diff = differences(state.get("config") or {}, dict(spec.config))
     if diff:
         raise ConfigMismatchError(
             f"{run_dir} holds an unfinished run of another configuration (its checkpoint "
             f"{path}):\n  " + "\n  ".join(diff) + "\ngive this run its own folder "
             "(run_name=<name>), continue that one with its own command, or delete the "
             "checkpoint to start over")
-    if not cfg.get("resume", True):
-        if not cfg.overwrite:
+    if not spec.resume:
+        if not spec.overwrite:
             raise RunExistsError(
                 f"{path} holds this run's progress (epoch {state['epoch']}, step "
                 f"{state['step']}) and resume=false was asked: pass overwrite=true to start "
@@ -166,43 +174,42 @@ class Scored:
     posthoc: dict[str, Any]  # what Method.fit_posthoc returned
 
 
-def _train(fabric: Any, cfg: DictConfig, folder: RunFolder, trainer: Any, header: dict,
+def _train(fabric: Any, spec: RunSpec, folder: RunFolder, trainer: Any, header: dict,
            resume: Path | None, fallback: str | None) -> dict[str, Any] | Preempted | None:
     """One process's share of a training job (all of it on one device). Every process builds,
     trains and scores; rank 0 writes the run folder and returns the results."""
-    _start_process(cfg, fabric.device)
+    _start_process(spec, fabric.device)
     rank0 = fabric.global_rank == 0
-    built = _build(fabric, cfg, trainer)
-    config = _resolved(cfg)
-    logger = build(cfg.logger) if rank0 else NullLogger()
-    logger.start(folder.run_dir, _labels(cfg, config, "train"), config,
-                 resume=resume is not None)
+    built = _build(fabric, spec, trainer)
+    config = dict(spec.config)
+    logger = spec.logger.build() if rank0 else NullLogger()
+    logger.start(folder.run_dir, _labels(spec, "train"), config, resume=resume is not None)
     resume_state = checkpoints.load(resume) if resume is not None else None
     try:
         train = _fit(fabric, trainer, built, logger, resume_state, _saver(folder, config, rank0))
         del resume_state  # the checkpoint's tensors, before scoring needs the memory
         if isinstance(train, Preempted):
             return train if rank0 else None
-        return conclude(cfg, folder, config, header, trainer, fabric, fallback, built, train,
-                        logger, rank0)
+        return conclude(spec, folder, header, trainer, fabric, fallback, built, train, logger,
+                        rank0)
     except (Exception, SystemExit) as err:  # the work had started: a failed run, not a mistake
-        raise RunFailed(folder.run_dir, err, failed_run(cfg, config, header)) from err
+        raise RunFailed(folder.run_dir, err, failed_run(spec, header)) from err
     finally:
         logger.finish(failed=True)  # a no-op after a published run closed it: this one failed
 
 
-def failed_run(cfg: DictConfig, config: dict, header: dict) -> dict[str, Any]:
+def failed_run(spec: RunSpec, header: dict) -> dict[str, Any]:
     """What results.json says of a run before its metrics (the header, the groups' settings as
     configured, the table layout): a failed run's record, so that its table cell counts it."""
-    return {**header, "eval_splits": config.get("eval_splits"),
-            "settings": {g: group_settings(cfg[g]) for g in ("dataset", "method", "backbone",
-                                                             "task", "trainer")},
-            "table": config.get("table"), "failed": True}
+    return {**header, "eval_splits": spec.config.get("eval_splits"),
+            "settings": {g: dict(getattr(spec, g).settings)
+                         for g in ("dataset", "method", "backbone", "task", "trainer")},
+            "table": spec.config.get("table"), "failed": True}
 
 
-def conclude(cfg: DictConfig, folder: RunFolder, config: dict, header: dict, trainer: Any,
-             fabric: Any, fallback: str | None, built: Built, train: dict[str, Any],
-             logger: Logger, rank0: bool = True) -> dict[str, Any] | None:
+def conclude(spec: RunSpec, folder: RunFolder, header: dict, trainer: Any, fabric: Any,
+             fallback: str | None, built: Built, train: dict[str, Any], logger: Logger,
+             rank0: bool = True) -> dict[str, Any] | None:
     """After the fit: score the trained model, then (rank 0) assemble results.json, publish
     the run folder with its checkpoint and figures, and drop the resume checkpoint."""
     scored = _score(built, fabric.device)
@@ -210,26 +217,26 @@ def conclude(cfg: DictConfig, folder: RunFolder, config: dict, header: dict, tra
     trained = engine.trainable_state(fabric, built.model, built.method) if keep else None
     if not rank0:
         return None
-    results = _results(cfg, config, header, trainer, fabric, fallback, built, train, scored)
-    final = _final_checkpoint(folder.run_dir, config, cfg, trainer, trained) if keep else None
-    plot = cfg.plot and built.splits.every  # the figures draw the test and OOD data
-    draw = _drawer(cfg, built, scored, fabric.device) if plot else None
-    publish_run(cfg, folder, config, results, scored.predictions, draw, logger, final)
+    results = _results(spec, header, trainer, fabric, fallback, built, train, scored)
+    final = _final_checkpoint(folder.run_dir, spec, trainer, trained) if keep else None
+    plot = spec.plot and built.splits.every  # the figures draw the test and OOD data
+    draw = _drawer(spec, built, scored, fabric.device) if plot else None
+    publish_run(spec, folder, results, scored.predictions, draw, logger, final)
     shutil.rmtree(folder.run_dir / Path(checkpoints.RESUME).parent, ignore_errors=True)
     return results
 
 
-def _start_process(cfg: DictConfig, device: torch.device) -> None:
+def _start_process(spec: RunSpec, device: torch.device) -> None:
     """Seeds, threads and the peak-memory counter of this process, before anything is built."""
-    seed_and_threads(cfg)
+    seed_and_threads(spec)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def _build(fabric: Any, cfg: DictConfig, trainer: Any) -> Built:
-    method, data, task, backbone, splits = build_parts(cfg, fabric.device,
+def _build(fabric: Any, spec: RunSpec, trainer: Any) -> Built:
+    method, data, task, backbone, splits = build_parts(spec, fabric.device,
                                                        trainer.activation_checkpointing)
-    objective.check_split(cfg.get("objective"), data, str(cfg.dataset.name))
+    objective.check_split(spec.objective, data, spec.dataset.name)
     params = method.param_counts()  # whole tensors: before FSDP shards them
     model = fabric.setup_module(method)
     model.mark_forward_method("loss")
@@ -266,9 +273,8 @@ def _score(built: Built, device: torch.device) -> Scored:
     return Scored(metrics, predictions, calibration, eval_s, cost, posthoc)
 
 
-def _results(cfg: DictConfig, config: dict, header: dict, trainer: Any, fabric: Any,
-             fallback: str | None, built: Built, train: dict[str, Any], scored: Scored
-             ) -> dict[str, Any]:
+def _results(spec: RunSpec, header: dict, trainer: Any, fabric: Any, fallback: str | None,
+             built: Built, train: dict[str, Any], scored: Scored) -> dict[str, Any]:
     """results.json of a training job (rank 0 runs the method's own diagnostics first)."""
     method, data, metrics = built.method, built.data, scored.metrics
     start = time.perf_counter()
@@ -276,13 +282,13 @@ def _results(cfg: DictConfig, config: dict, header: dict, trainer: Any, fabric: 
     diagnostics_s = time.perf_counter() - start
     results = {
         **header,
-        "eval_splits": config.get("eval_splits"),
+        "eval_splits": spec.config.get("eval_splits"),
         "settings": {
-            "dataset": group_settings(cfg.dataset) | data.settings(),
-            "method": group_settings(cfg.method) | method.settings(),
-            "backbone": group_settings(cfg.backbone) | built.backbone.details(),
-            "task": group_settings(cfg.task),
-            "trainer": {k: v for k, v in group_settings(cfg.trainer).items()
+            "dataset": dict(spec.dataset.settings) | data.settings(),
+            "method": dict(spec.method.settings) | method.settings(),
+            "backbone": dict(spec.backbone.settings) | built.backbone.details(),
+            "task": dict(spec.task.settings),
+            "trainer": {k: v for k, v in spec.trainer.settings.items()
                         if k not in ("progress", "log_every")},
         },
         "params": built.params,
@@ -302,23 +308,24 @@ def _results(cfg: DictConfig, config: dict, header: dict, trainer: Any, fabric: 
                   "world_size": fabric.world_size, "accumulate": trainer.accumulate,
                   "steps_run": train["steps_run"], "resumed_at": train.get("resumed_at"),
                   "stacked_with": train.get("stacked_with")},
-        "table": config.get("table"),
+        "table": spec.config.get("table"),
     }
-    return results | {"recipe": parts.recipes_used(config, results)}  # the rows a table marks
+    # the recipe rows a table marks
+    return results | {"recipe": parts.recipes_used(dict(spec.config), results)}
 
 
-def _final_checkpoint(run_dir: Path, config: dict, cfg: DictConfig, trainer: Any,
-                      trained: Any) -> dict[str, Any]:
+def _final_checkpoint(run_dir: Path, spec: RunSpec, trainer: Any, trained: Any
+                      ) -> dict[str, Any]:
     """checkpoint.ckpt: the trained weights (and, with keep_checkpoint=full, the resume state)."""
-    final = {"trainable": trained, "config": config, "method": cfg.method.name}
+    final = {"trainable": trained, "config": dict(spec.config), "method": spec.method.name}
     if trainer.keep_checkpoint == "full" and (run_dir / checkpoints.RESUME).exists():
         final["resume"] = checkpoints.load(run_dir / checkpoints.RESUME)
     return final
 
 
-def _drawer(cfg: DictConfig, built: Built, scored: Scored, device: torch.device
+def _drawer(spec: RunSpec, built: Built, scored: Scored, device: torch.device
             ) -> Callable[[Path], list[Path]]:
-    title = f"{cfg.run_subdir}  test NLL {scored.metrics.get('test/nll', float('nan')):.3f}"
+    title = f"{spec.run_subdir}  test NLL {scored.metrics.get('test/nll', float('nan')):.3f}"
     task, method, data = built.task, built.method, built.data
 
     def draw(folder: Path) -> list[Path]:
@@ -332,7 +339,7 @@ def _drawer(cfg: DictConfig, built: Built, scored: Scored, device: torch.device
 
 # --- publishing -----------------------------------------------------------------------------
 
-def publish_run(cfg: DictConfig, folder: RunFolder, config: dict, results: dict,
+def publish_run(spec: RunSpec, folder: RunFolder, results: dict,
                 predictions: dict[str, dict[str, np.ndarray]],
                 draw: Callable[[Path], list[Path]] | None = None,
                 logger: Logger | None = None, checkpoint: dict | None = None) -> None:
@@ -340,7 +347,8 @@ def publish_run(cfg: DictConfig, folder: RunFolder, config: dict, results: dict,
     the folder in, then hand the summary, figures and predictions to the logger: the results
     are on disk before any tracker is waited for."""
     with folder.staging() as stage:
-        write_stage(stage, config, results, predictions if cfg.save_predictions else {})
+        write_stage(stage, dict(spec.config), results,
+                    predictions if spec.save_predictions else {})
         if checkpoint is not None:
             checkpoints.save(stage / checkpoints.FINAL, checkpoint)
         images = [p.relative_to(stage) for p in draw(stage)] if draw is not None else []
@@ -349,11 +357,6 @@ def publish_run(cfg: DictConfig, folder: RunFolder, config: dict, results: dict,
         log_results(logger, results, folder.run_dir, images)
 
 
-def _resolved(cfg: DictConfig) -> dict[str, Any]:
-    """The resolved config as a plain dict (what config.yaml stores)."""
-    return cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
-
-
-def _labels(cfg: DictConfig, config: dict, job: str) -> RunLabels:
+def _labels(spec: RunSpec, job: str) -> RunLabels:
     """The tracker's labels of this job, which has its own run folder."""
-    return run_labels(config, group_choices(cfg), job, str(cfg.run_subdir))
+    return run_labels(dict(spec.config), dict(spec.choices), job, spec.run_subdir)
