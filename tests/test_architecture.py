@@ -6,11 +6,13 @@ The package's folders are its layers::
     records/  what a job leaves: the run folder transaction, results.json, the trackers
     report/   results files → tables, claims, sweeps' progress, selection
     methods/ backbones/ data/ tasks/   the parts a run composes
+    metrics/  every metric, pure functions of predictions and targets
     bench/    speed and memory beside the anchors
 
 ``runner → records``, ``runner → methods / backbones / data → tasks → metrics``; reports read
 results files only, never the runner or the parts; the leaves (``contracts``, ``identity``,
-``metrics``, ``errors``) import nothing of ours, so every layer can lean on them.
+``errors``, and the ``metrics`` package, whose modules lean only on each other) import nothing
+of ours, so every layer can lean on them.
 """
 
 from __future__ import annotations
@@ -86,9 +88,9 @@ def test_the_walk_sees_the_package():
 
 def test_the_tree_shows_the_layers():
     """A handful of shared leaves at the top level; everything else lives in its layer."""
-    assert TOP_LEVEL == {"contracts", "configs", "errors", "identity", "metrics"}
+    assert TOP_LEVEL == {"contracts", "configs", "errors", "identity"}
     assert LAYERS == {"runner", "records", "report", "methods", "backbones", "data", "tasks",
-                      "bench"}
+                      "metrics", "bench"}
 
 
 LONG_FILE = 350
@@ -102,11 +104,21 @@ def test_long_files_say_why_at_their_top():
     assert unexplained == []
 
 
-@pytest.mark.parametrize("module", ["metrics", "contracts", "errors", "identity",
+@pytest.mark.parametrize("module", ["contracts", "errors", "identity",
                                     "runner.engine.checkpoints", "runner.engine.fsdp",
                                     "records.loggers", "report.claims"])
 def test_leaf_modules_import_nothing_of_the_project(module):
     assert GRAPH[f"uqbench.{module}"] == set()
+
+
+def test_the_metrics_are_one_package_that_leans_on_nothing_else():
+    """Every metric lives in uqbench/metrics/ (none in the tasks, which choose and call them),
+    and its modules import only each other."""
+    metrics = {m for m in MODULES if _layer(m) == "metrics"}
+    assert {"uqbench.metrics.conformal", "uqbench.metrics.calibration"} <= metrics
+    assert [f"{m} → {i}" for m in metrics for i in sorted(GRAPH[m])
+            if _layer(i) != "metrics"] == []
+    assert not [m for m in MODULES if _layer(m) == "tasks" and "conformal" in m]
 
 
 def test_configs_lean_only_on_the_identity_and_the_error_kinds():

@@ -1,4 +1,4 @@
-"""Split conformal prediction (uqbench.tasks.conformal) against MAPIE, hand computations and the
+"""Split conformal prediction (uqbench.metrics.conformal) against MAPIE, hand computations and the
 finite-sample coverage guarantee."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from mapie.conformity_scores import APSConformityScore
 from mapie.regression import SplitConformalRegressor
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
 
-from uqbench.tasks.conformal import (
+from uqbench.metrics.conformal import (
     class_scores,
     classification_conformal,
     conformal_quantile,

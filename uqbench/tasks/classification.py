@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from uqbench import metrics as M
 from uqbench.contracts import one_of, to_device
-from uqbench.tasks import conformal as CP
+from uqbench.metrics import conformal as CP
 from uqbench.tasks.base import Predictions, Task
 
 if TYPE_CHECKING:

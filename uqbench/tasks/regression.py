@@ -9,8 +9,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from uqbench.contracts import one_of, to_device
+from uqbench.metrics import conformal as CP
 from uqbench.metrics import noise_recovery, regression_metrics
-from uqbench.tasks import conformal as CP
 from uqbench.tasks.base import Predictions, Task
 from uqbench.tasks.classification import check_alpha
 
