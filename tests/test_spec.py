@@ -37,7 +37,7 @@ def test_a_derived_spec_composes_again_and_leaves_its_source_alone(compose_cfg, 
     assert member.seed == 7 and member.run_dir == spec.run_dir.parent / "seed7"
     assert member.dataset.get("batch_size") == 3 != spec.dataset.get("batch_size")
     assert spec.seed == 0 and spec.run_dir.name == "seed0"
-    again = member.resolved()  # a spawned process's: no interpolation left, the same run
+    again = RunSpec.from_plain(member.plain())  # a spawned process: the same run
     assert again.config == member.config and again.choices == member.choices
 
 

@@ -173,11 +173,18 @@ class RunSpec:
                 OmegaConf.update(node, key, value, force_add=True)
         return RunSpec.of(node, check=False, hydra=(self.choices, self.overrides))
 
-    def resolved(self) -> RunSpec:
-        """This spec over its resolved config: what a spawned process, which has no Hydra
-        context, rebuilds the same run from."""
-        return RunSpec.of(OmegaConf.create(dict(self.config)), check=False,
-                          hydra=(self.choices, self.overrides))
+    def plain(self) -> dict[str, Any]:
+        """The spec as plain data (its resolved config, choices and overrides): what a
+        spawned process, which has no Hydra context, rebuilds the same run from
+        (:meth:`from_plain`)."""
+        return {"config": dict(self.config), "choices": dict(self.choices),
+                "overrides": list(self.overrides)}
+
+    @classmethod
+    def from_plain(cls, plain: Mapping[str, Any]) -> RunSpec:
+        """The spec :meth:`plain` describes, over its resolved config."""
+        return cls.of(OmegaConf.create(dict(plain["config"])), check=False,
+                      hydra=(dict(plain["choices"]), tuple(plain["overrides"])))
 
     def at(self, path: str) -> Any:
         """The resolved value at a dotted path of the config (None where absent): for the

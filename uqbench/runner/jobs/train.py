@@ -87,11 +87,11 @@ def _launch(spec: RunSpec, folder: RunFolder) -> dict[str, Any]:
     fabric = engine.fabric(device, trainer)  # after the reuse: a skipped run never loads it
     if fallback:
         log.warning("%s", fallback)
-    # Everything a process needs, resolved here: spawned processes have no Hydra context.
-    job_spec = spec.resolved()
+    # Everything a process needs, resolved here as plain data: spawned processes have no
+    # Hydra context (and Lightning walks the launch's arguments as collections)
     spawns = fabric.world_size > 1 and not engine.external_processes()
     with engine.StopRequest(forward=True) if spawns else contextlib.nullcontext():
-        outcome = fabric.launch(_train, job_spec, folder, trainer, spec.header(), resume,
+        outcome = fabric.launch(_train, spec.plain(), folder, trainer, spec.header(), resume,
                                 fallback)
     if isinstance(outcome, Preempted):
         raise outcome
@@ -174,10 +174,12 @@ class Scored:
     posthoc: dict[str, Any]  # what Method.fit_posthoc returned
 
 
-def _train(fabric: Any, spec: RunSpec, folder: RunFolder, trainer: Any, header: dict,
+def _train(fabric: Any, plain: dict[str, Any], folder: RunFolder, trainer: Any, header: dict,
            resume: Path | None, fallback: str | None) -> dict[str, Any] | Preempted | None:
-    """One process's share of a training job (all of it on one device). Every process builds,
-    trains and scores; rank 0 writes the run folder and returns the results."""
+    """One process's share of a training job (all of it on one device), from its spec as
+    plain data (:meth:`RunSpec.plain`). Every process builds, trains and scores; rank 0 writes
+    the run folder and returns the results."""
+    spec = RunSpec.from_plain(plain)
     _start_process(spec, fabric.device)
     rank0 = fabric.global_rank == 0
     built = _build(fabric, spec, trainer)
