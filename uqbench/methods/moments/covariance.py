@@ -250,30 +250,29 @@ def _full_covariance_series(mean: torch.Tensor, cov: torch.Tensor, out_var: torc
     (:func:`~uqbench.methods.moments.mehler.scaled_curvature_series`, within 1e-9·σ_aσ_b of
     the exact R and its ρ-derivative) wherever |ρ| ≤ :data:`~uqbench.methods.moments.mehler.
     MAX_RHO`, and by the quadrature (:func:`relu_curvature`) at the pairs beyond, gathered;
-    the diagonal is ``out_var``. Every pair is computed at (i, j) and at (j, i), and the
-    one above the diagonal mirrored below (so the matrix is exactly symmetric, as
-    :func:`_assemble` makes it); nothing is gathered where every |ρ| is moderate.
-    ρ = c·(1/σ_a)·(1/σ_b), which stays finite at σ = tiny (|c| ≤ σ_aσ_b), is clamped to
-    [−1, 1] only where the quadrature reads it (the series' |ρ| are under 1)."""
-    d = mean.shape[-1]
+    the diagonal is ``out_var``. As there, c is read above the diagonal only (mirrored
+    below), so the matrix is exactly symmetric; every pair is computed at (i, j) and at
+    (j, i), and nothing is gathered where every |ρ| is moderate. ρ = c·(1/σ_a)(1/σ_b), finite
+    at σ = tiny (|c| ≤ σ_aσ_b), is clamped to [−1, 1] only where the quadrature reads it (the
+    series' |ρ| are under 1)."""
     var = cov.diagonal(dim1=-2, dim2=-1)
     s, t = _standardise(mean, var)
     slopes = slope + (1 - slope) * _cdf(t)
     inv = 1 / s
-    off = 1 - torch.eye(d, dtype=cov.dtype, device=cov.device)            # the pairs: i ≠ j
-    rho = cov * inv.unsqueeze(-1) * (inv.unsqueeze(-2) * off)
+    upper = cov.triu(1)
+    pairs = upper + upper.transpose(-1, -2)         # c above the diagonal, mirrored; 0 on it
+    rho = pairs * (inv.unsqueeze(-1) * inv.unsqueeze(-2))                 # symmetric, exactly
     low, high = torch.aminmax(rho.detach())
     if max(-float(low), float(high)) <= mehler.MAX_RHO:
-        curv = mehler.scaled_curvature_series(t, s, rho)
+        curv = mehler.scaled_curvature_series(t, s, rho, symmetric=True)
     else:
         far = rho.detach().abs() > mehler.MAX_RHO
         b, i, j = far.nonzero(as_tuple=True)
-        curv = mehler.scaled_curvature_series(t, s, rho * ~far)
+        curv = mehler.scaled_curvature_series(t, s, rho * ~far, symmetric=True)
         curv = curv.index_put((b, i, j), s[b, i] * s[b, j] * relu_curvature(
             t[b, i], t[b, j], rho[b, i, j].clamp(-1.0, 1.0)))
-    upper = torch.add(cov * (slopes.unsqueeze(-1) * slopes.unsqueeze(-2)), curv,
-                      alpha=(1 - slope) ** 2).triu(1)
-    full = upper + upper.transpose(-1, -2)          # the pairs above, mirrored: symmetric
+    full = torch.add(pairs * (slopes.unsqueeze(-1) * slopes.unsqueeze(-2)), curv,
+                     alpha=(1 - slope) ** 2)
     full.diagonal(dim1=-2, dim2=-1).copy_(out_var)
     return full
 

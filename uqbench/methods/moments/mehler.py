@@ -64,25 +64,27 @@ class _Series(torch.autograd.Function):
     are rank-one updates of σψₖ ⊗ σψₖ), with the exact derivatives of those N terms."""
 
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, s: torch.Tensor, rho: torch.Tensor,
-                n: int) -> torch.Tensor:
+    def forward(ctx: Any, t: torch.Tensor, s: torch.Tensor, rho: torch.Tensor, n: int,
+                symmetric: bool) -> torch.Tensor:
         if n == 0:
             out = torch.zeros_like(rho)
         else:
-            psi = [p * s for p in hermite_functions(t, n)]
-            scaled = [p * (1 / ((k + 1) * (k + 2))) for k, p in enumerate(psi)]
-            out = _horner(scaled, psi, rho).mul_(rho).mul_(rho)
+            # √cₖσψₖ on both sides of each rank-one term: a symmetric ρ gives a symmetric
+            # matrix to the last bit
+            root = [p * s * (1 / math.sqrt((k + 1) * (k + 2)))
+                    for k, p in enumerate(hermite_functions(t, n))]
+            out = _horner(root, root, rho).mul_(rho).mul_(rho)
         ctx.save_for_backward(t, s, rho, out)
-        ctx.n = n
+        ctx.n, ctx.symmetric = n, symmetric
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
         t, s, rho, out = ctx.saved_tensors
         n = ctx.n
         if n == 0:
-            return torch.zeros_like(t), torch.zeros_like(s), torch.zeros_like(rho), None
+            return torch.zeros_like(t), torch.zeros_like(s), torch.zeros_like(rho), None, None
         psi = [p * s for p in hermite_functions(t, n + 1)]
         # ∂/∂ρ: σσ·ρ Σₖ ψₖ⊗ψₖ ρᵏ/(k + 1)
         d_rho = _horner([p * (1 / (k + 1)) for k, p in enumerate(psi[:n])], psi[:n], rho)
@@ -94,24 +96,25 @@ class _Series(torch.autograd.Function):
         # also enters column u (as k), whose derivative is the transpose's where ρ is symmetric
         a = [psi[k + 1] * (math.sqrt(k + 1) / ((k + 1) * (k + 2))) for k in range(n)]
         rho_t = rho.transpose(-1, -2)
-        if torch.equal(rho, rho_t):
+        if ctx.symmetric:
             both = grad + grad.transpose(-1, -2)
             d_t = -(_horner(a, psi[:n], rho).mul_(rho).mul_(rho).mul_(both)).sum(-1)
         else:
             d_t = -((_horner(a, psi[:n], rho).mul_(rho).mul_(rho).mul_(grad)).sum(-1)
                     + (_horner(a, psi[:n], rho_t).mul_(rho_t).mul_(rho_t)
                        .mul_(grad.transpose(-1, -2))).sum(-1))
-        return d_t, d_s, d_rho, None
+        return d_t, d_s, d_rho, None, None
 
 
 def scaled_curvature_series(t: torch.Tensor, s: torch.Tensor, rho: torch.Tensor,
-                            n: int | None = None) -> torch.Tensor:
+                            n: int | None = None, symmetric: bool = False) -> torch.Tensor:
     """σᵢσⱼ·R(tᵢ, tⱼ, ρᵢⱼ) (B, d, d) for standardised means t (B, d), standard deviations
     σ (B, d) and correlations ρ (B, d, d), |ρ| < 1, by ``n`` terms of the series (None:
-    :func:`terms` of the largest |ρ|)."""
+    :func:`terms` of the largest |ρ|). ``symmetric``: the caller's promise that ρ equals its
+    transpose (the backward pass then needs one sum fewer)."""
     if n is None:
         n = terms(float(rho.detach().abs().max())) if rho.numel() else 0
-    return _Series.apply(t, s, rho, n)
+    return _Series.apply(t, s, rho, n, symmetric)
 
 
 def curvature_series(t: torch.Tensor, rho: torch.Tensor, n: int | None = None) -> torch.Tensor:
