@@ -214,6 +214,7 @@ def activation_covariance(name: str, mean_a: torch.Tensor, var_a: torch.Tensor,
 
 
 COMPILE_PAIRS = 2**20  # pairs in one call from which a call without gradients runs compiled
+SERIES = True  # eager calls: R by the Mehler series where |ρ| is moderate (False: quadrature)
 
 
 def leaky_relu_full_covariance(mean: torch.Tensor, cov: torch.Tensor, out_var: torch.Tensor,
@@ -239,7 +240,7 @@ def leaky_relu_full_covariance(mean: torch.Tensor, cov: torch.Tensor, out_var: t
     if (not needs_grad and mean.shape[0] * i.numel() >= COMPILE_PAIRS
             and not torch.compiler.is_compiling()):
         return _compiled_full_covariance()(mean, cov, out_var, i, j, float(slope))
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not SERIES:
         return _full_covariance(mean, cov, out_var, i, j, float(slope))
     return _full_covariance_series(mean, cov, out_var, float(slope))
 

@@ -208,7 +208,8 @@ class GaussianLinear(_GaussianParams):
             spread = w @ cw                                                 # M Σ Mᵀ
         spread = 0.5 * (spread + spread.transpose(-1, -2))  # symmetric to rounding
         out_var = spread.diagonal(dim1=-2, dim2=-1) + extra
-        return out_mean, out_var, spread + torch.diag_embed(extra)
+        spread.diagonal(dim1=-2, dim2=-1).add_(extra)       # + diag(extra), in place
+        return out_mean, out_var, spread
 
     def forward_sampled(self, x: torch.Tensor) -> torch.Tensor:
         """(S, B, in) → (S, B, out), weights drawn once per sample s."""
