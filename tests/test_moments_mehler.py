@@ -140,3 +140,17 @@ def test_pairs_beyond_the_series_take_the_quadrature(monkeypatch):
     with torch.no_grad():
         bnn.moment_pass(x)
     assert calls and 0 < max(calls) < x.shape[0] * 16 * 15
+
+
+def test_a_deterministic_unit_gives_zeros_not_nans():
+    """A unit of zero variance (its covariances 0) against the quadrature pass: the same
+    matrix (0 in its row and column), and finite gradients."""
+    mean = torch.tensor([[0.3, -1.0, 2.0], [1.5, 0.2, -0.4]], dtype=F64, requires_grad=True)
+    cov = torch.tensor([[1.0, 0.0, 0.2], [0.0, 0.0, 0.0], [0.2, 0.0, 0.5]], dtype=F64)
+    cov = cov.repeat(2, 1, 1).requires_grad_()
+    var = cov.detach().diagonal(dim1=1, dim2=2)
+    out = covariance._full_covariance_series(mean, cov, var, 0.1)
+    ref = _quadrature_pass(mean, cov, var, 0.1)
+    torch.testing.assert_close(out, ref, rtol=1e-8, atol=1e-12)
+    out.sum().backward()
+    assert torch.isfinite(mean.grad).all() and torch.isfinite(cov.grad).all()

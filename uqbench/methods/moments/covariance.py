@@ -253,23 +253,26 @@ def _full_covariance_series(mean: torch.Tensor, cov: torch.Tensor, out_var: torc
     MAX_RHO`, and by the quadrature (:func:`relu_curvature`) at the pairs beyond, gathered;
     the diagonal is ``out_var``. As there, c is read above the diagonal only (mirrored
     below), so the matrix is exactly symmetric; every pair is computed at (i, j) and at
-    (j, i), and nothing is gathered where every |ρ| is moderate. ρ = c·(1/σ_a)(1/σ_b), finite
-    at σ = tiny (|c| ≤ σ_aσ_b), is clamped to [−1, 1] only where the quadrature reads it (the
-    series' |ρ| are under 1)."""
+    (j, i), and nothing is gathered where every |ρ| is moderate. ρ = c·(1/σ_a)(1/σ_b) (1/σ
+    capped so that the product stays finite; c is 0 where σ is) is clamped to [−1, 1] only
+    where the quadrature reads it (the series' |ρ| are under 1)."""
     var = cov.diagonal(dim1=-2, dim2=-1)
     s, t = _standardise(mean, var)
     slopes = slope + (1 - slope) * _cdf(t)
-    inv = 1 / s
+    # 1/σ at most √(dtype max), so that 1/(σ_aσ_b) stays finite (c = 0 where σ is tiny)
+    inv = s.reciprocal().clamp_max(math.sqrt(torch.finfo(s.dtype).max))
     upper = cov.triu(1)
     pairs = upper + upper.transpose(-1, -2)         # c above the diagonal, mirrored; 0 on it
     rho = pairs * (inv.unsqueeze(-1) * inv.unsqueeze(-2))                 # symmetric, exactly
     low, high = torch.aminmax(rho.detach())
-    if max(-float(low), float(high)) <= mehler.MAX_RHO:
-        curv = mehler.scaled_curvature_series(t, s, rho, symmetric=True)
+    r = max(-float(low), float(high))
+    if r <= mehler.MAX_RHO:
+        curv = mehler.scaled_curvature_series(t, s, rho, mehler.terms(r), symmetric=True)
     else:
         far = rho.detach().abs() > mehler.MAX_RHO
         b, i, j = far.nonzero(as_tuple=True)
-        curv = mehler.scaled_curvature_series(t, s, rho * ~far, symmetric=True)
+        curv = mehler.scaled_curvature_series(t, s, rho * ~far, mehler.terms(mehler.MAX_RHO),
+                                              symmetric=True)
         curv = curv.index_put((b, i, j), s[b, i] * s[b, j] * relu_curvature(
             t[b, i], t[b, j], rho[b, i, j].clamp(-1.0, 1.0)))
     full = torch.add(pairs * (slopes.unsqueeze(-1) * slopes.unsqueeze(-2)), curv,
