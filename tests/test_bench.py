@@ -199,8 +199,13 @@ def test_moment_figures_quick_and_missing_anchor_skipped(monkeypatch):
     anchored = [r for r in speed if r.anchor]
     assert anchored and all("fastbnns not installed" in r.note for r in anchored)
     full = [r for r in rows if r.section == bnn.SECTION_FULL]
-    assert len(full) == 3 and all(r.ours > 0 for r in full)
-    assert all("unit pairs per activation and call" in r.note for r in full[:2])
+    assert len(full) == 4 and all(r.ours > 0 for r in full)
+    assert all("unit pairs per activation and call" in r.note for r in full[:2] + full[3:])
+    # the training run: seconds re-projected from each stretch of epochs, around the wall time
+    (training,) = [r for r in rows if r.section == bnn.SECTION_TRAINING]
+    assert training.unit == "s" and len(training.ours.rounds) >= 2
+    wall = float(training.note.split("run wall time ")[1].split(" s")[0])
+    assert 0.5 * wall < training.ours < 2 * wall
     err = {r.figure: r.ours for r in rows if r.unit == "%"}
     # Monte Carlo's variance error shrinks with S (about 1/√S): 10 draws are far worse than 1000
     body = "Var error, one Leaky-ReLU unit, body |μ/σ| ≤ 3: "

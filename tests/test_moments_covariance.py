@@ -257,8 +257,9 @@ def test_activation_layer_covariance_matches_monte_carlo(slope):
 @pytest.mark.parametrize("slope", [0.0, 0.1])
 def test_the_compiled_full_covariance_equals_the_eager_one(slope, monkeypatch):
     """A call without gradients of at least COMPILE_PAIRS pairs runs compiled (speed only):
-    the same matrix as the eager rules to rounding, wide means and near-±1 correlations
-    included; a call that needs gradients stays eager and differentiable."""
+    the same matrix as the eager quadrature to rounding, wide means and near-±1 correlations
+    included (and the eager default, the series with the quadrature beyond |ρ| = 0.5, within
+    the two's errors of it); a call that needs gradients stays eager and differentiable."""
     from uqbench.methods.moments import covariance
 
     gen = torch.Generator().manual_seed(5)
@@ -266,8 +267,12 @@ def test_the_compiled_full_covariance_equals_the_eager_one(slope, monkeypatch):
     base = torch.randn(3, 12, 2, generator=gen, dtype=F64)  # rank 2 + a little: |ρ| near 1
     cov = base @ base.transpose(1, 2) + 1e-6 * torch.eye(12, dtype=F64)
     _, var = leaky_relu_moments(mean, cov.diagonal(dim1=1, dim2=2), slope)
+    i, j = torch.triu_indices(12, 12, 1)
+    eager = covariance._full_covariance(mean, cov, var, i, j, slope)  # the eager quadrature
     monkeypatch.setattr(covariance, "COMPILE_PAIRS", 10**12)
-    eager = leaky_relu_full_covariance(mean, cov, var, slope)
+    series = leaky_relu_full_covariance(mean, cov, var, slope)  # eager: the Mehler series
+    scale = (var.sqrt()[:, :, None] * var.sqrt()[:, None, :])
+    assert ((series - eager).abs() <= 2e-8 * scale).all()  # 1e-8 (quadrature) + 1e-9 (series)
     monkeypatch.setattr(covariance, "COMPILE_PAIRS", 1)
     covariance._compiled_full_covariance.cache_clear()
     with torch.no_grad():

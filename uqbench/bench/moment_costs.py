@@ -11,8 +11,11 @@ step), timed on one CPU thread:
   steps took the model, held there) / a plain MLP's Gaussian-NLL step of the same width, both
   variances, widths 4, 64 and 1024, compiled (``method.compile: true``) and eager (the default);
 - the full-covariance pass as a scoring runs it (no gradient; its activations compiled once a
-  call holds 2²⁰ unit pairs) / the diagonal pass of the same network, compiled and eager, on
-  1→256→256→256→1 at 64 inputs;
+  call holds 2²⁰ unit pairs) / the diagonal pass of the same network, compiled and eager (the
+  quadrature) and by the Mehler series (a training step's form), on 1→256→256→256→1 at 64
+  inputs;
+- a ``method.covariance: full`` training run of P2's depth-3, width-64 network with the default
+  epochs, in seconds, against a 120 s goal;
 - accuracy: the variance error of each inference against a 2·10⁵-draw Monte Carlo reference,
   for one Leaky-ReLU unit across μ/σ from −40 to 40 (body |μ/σ| ≤ 3, tails beyond) and for the
   1→64→64→1 network's predictive σ.
@@ -28,6 +31,12 @@ import copy
 import functools
 import itertools
 import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 
@@ -40,7 +49,7 @@ from uqbench.bench.report import Record
 from uqbench.bench.timing import ROUNDS, Measured, one_thread, side_by_side
 from uqbench.contracts import DataInfo
 from uqbench.methods.bnn import BayesianMLP
-from uqbench.methods.moments import covariance
+from uqbench.methods.moments import covariance, mehler
 from uqbench.methods.moments.activations import leaky_relu_moments
 from uqbench.methods.moments.layers import GaussianLinear
 
@@ -157,14 +166,15 @@ def _speed_one(label: str, width: int, depth: int, device: torch.device, repeats
     anchors = fastbnns_models(plain)
     if anchors is not None:
         calls.update({k: functools.partial(anchors[k], x) for k in ("analytic", "unscented")})
-    # the targeted pair (ours and the analytic anchor, each over the plain forward) in a block
-    # of its own, in more rounds than the untargeted passes, which are timed after it
-    pair = [k for k in ("plain", "ours", "analytic") if k in calls]
+    # the targeted passes (ours compiled and eager, and the analytic anchor, each over the
+    # plain forward) in a block of their own, in more rounds than the untargeted passes, which
+    # are timed after it
+    pair = [k for k in ("plain", "ours", "eager", "analytic") if k in calls]
     with torch.no_grad():
         t = side_by_side({k: calls[k] for k in pair}, device, repeats=PAIR_REPEATS * repeats,
                          warmup=3, rounds=PAIR_ROUNDS)
-        rest = side_by_side({k: v for k, v in calls.items() if k != "analytic"}, device,
-                            repeats=repeats, warmup=3, rounds=FAST_ROUNDS)
+        rest = side_by_side({k: v for k, v in calls.items() if k not in ("analytic", "eager")},
+                            device, repeats=repeats, warmup=3, rounds=FAST_ROUNDS)
     ratio = {k: v / t["plain"] for k, v in t.items()}
     rest_ratio = {k: v / rest["plain"] for k, v in rest.items()}  # rounds of the second block
     skipped = "fastbnns not installed: anchor skipped" if anchors is None else ""
@@ -180,8 +190,12 @@ def _speed_one(label: str, width: int, depth: int, device: torch.device, repeats
                section=SECTION_SPEED, note=skipped or "timed with the untargeted passes below, "
                "not in the targeted pair's block"),
         Record(f"moment pass / plain forward, {label}, fused without compile (default)",
-               rest_ratio["eager"], "×", dev, section=SECTION_SPEED,
-               note="method.fused: true, method.compile: false"),
+               ratio["eager"], "×", dev, anchor="fastbnns analytic",
+               anchor_value=ratio.get("analytic"),
+               target=None if anchors is None else ratio["analytic"] / 3,
+               target_rule="fastbnns analytic / 3", section=SECTION_SPEED,
+               note=skipped or "method.fused: true, method.compile: false; timed in the "
+                               "targeted block, beside the compiled pass and the anchor"),
         Record(f"moment pass / plain forward, {label}, reference layers",
                rest_ratio["reference"], "×", dev, section=SECTION_SPEED,
                note="method.fused: false"),
@@ -363,14 +377,15 @@ def training_step(device: torch.device, repeats: int, quick: bool = False) -> li
 
 
 @contextlib.contextmanager
-def _eager_full_covariance() -> Iterator[None]:
-    """The full-covariance activations run eagerly inside, whatever a call's size."""
-    saved = covariance.COMPILE_PAIRS
-    covariance.COMPILE_PAIRS = 2**62
+def _eager_full_covariance(series: bool = False) -> Iterator[None]:
+    """The full-covariance activations run eagerly inside, whatever a call's size: by the
+    quadrature, or (``series``) by the Mehler series, as a training step does."""
+    saved = covariance.COMPILE_PAIRS, covariance.SERIES
+    covariance.COMPILE_PAIRS, covariance.SERIES = 2**62, series
     try:
         yield
     finally:
-        covariance.COMPILE_PAIRS = saved
+        covariance.COMPILE_PAIRS, covariance.SERIES = saved
 
 
 def full_covariance(device: torch.device, quick: bool = False) -> list[Record]:
@@ -387,12 +402,13 @@ def full_covariance(device: torch.device, quick: bool = False) -> list[Record]:
     full = build_bnn(width, depth, device, covariance="full")
     diagonal = build_bnn(width, depth, device)  # the same weights
 
-    def eager() -> object:
-        with _eager_full_covariance():
+    def eager(series: bool = False) -> object:
+        with _eager_full_covariance(series):
             return full.moment_pass(x)
     with one_thread(device), torch.no_grad():
         t = side_by_side({"diagonal": functools.partial(diagonal.moment_pass, x),
-                          "compiled": functools.partial(full.moment_pass, x), "eager": eager},
+                          "compiled": functools.partial(full.moment_pass, x), "eager": eager,
+                          "series": functools.partial(eager, series=True)},
                          device, repeats=2 if quick else FULL_ROUNDS, warmup=1,
                          rounds=FULL_ROUNDS)
     label = f"1→{width}→{width}→{width}→1, {inputs} inputs"
@@ -405,7 +421,54 @@ def full_covariance(device: torch.device, quick: bool = False) -> list[Record]:
         Record(f"full pass / diagonal pass, {label}, eager", t["eager"] / t["diagonal"], "×",
                dev, section=SECTION_FULL, note=note),
         Record(f"full pass eager / compiled, {label}", t["eager"] / t["compiled"], "×", dev,
-               section=SECTION_FULL, note=f"compiled pass {_ms(t['compiled'])}")]
+               section=SECTION_FULL, note=f"compiled pass {_ms(t['compiled'])}"),
+        Record(f"full pass / diagonal pass, {label}, Mehler series (a training step's form)",
+               t["series"] / t["diagonal"], "×", dev, section=SECTION_FULL,
+               note=f"eager, the curvature term by its series where |ρ| ≤ "
+                    f"{mehler.MAX_RHO:g} (the quadrature beyond); {note}")]
+
+
+SECTION_TRAINING = "Full covariance: a P2 training run (one thread)"
+TRAINING_NET = (64, 3)          # width, depth: P2's depth-3 networks at width 64
+TRAINING_TARGET = 120.0         # seconds for the run with the default epochs
+_EPOCH_LINE = re.compile(r"epoch (\d+)/(\d+) .*elapsed ([\d.]+)s")
+
+
+def full_training(device: torch.device, quick: bool = False) -> list[Record]:
+    """A ``method.covariance: full`` training run of P2's depth-3, width-64 BNN (embedded
+    variance, seed 0, the trainer's default epochs), as ``uqbench experiment=p2_depth_full``
+    runs it (one thread, the final scoring with its Monte Carlo check included), in a
+    subprocess with its runs in a temporary folder: its wall time in seconds. The rounds are
+    that time re-projected from each stretch of epochs between the run's log lines (the
+    stretch's seconds per epoch times the run's epochs, plus the part of the run outside
+    them: start, the last scoring), so the interval says how steady the epochs ran. Quick: a
+    width-16 network for 20 epochs (no target)."""
+    width, depth = (16, 3) if quick else TRAINING_NET
+    extra = ["trainer.epochs=20", "trainer.log_every=4"] if quick else []
+    with tempfile.TemporaryDirectory() as runs:
+        command = [sys.executable, "-m", "uqbench.runner.cli", "experiment=p2_depth_full",
+                   f"backbone.depth={depth}", f"backbone.width={width}",
+                   "method.variance=embedded", "seed=0", "hydra.mode=RUN",
+                   f"paths.runs_dir={runs}", f"hydra.run.dir={runs}/hydra",
+                   "trainer.progress=lines", *extra]
+        start = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True, check=False,
+                              env={**os.environ, "WANDB_MODE": "disabled"})
+        wall = time.perf_counter() - start
+    lines = [tuple(map(float, m.groups())) for m in _EPOCH_LINE.finditer(done.stdout + done.stderr)]
+    if done.returncode != 0 or len(lines) < 2:
+        tail = (done.stdout + done.stderr)[-2000:]
+        raise RuntimeError(f"the full-covariance training run failed ({done.returncode}):\n{tail}")
+    epochs, outside = lines[-1][1], wall - lines[-1][2]
+    rounds = [(b[2] - a[2]) / (b[0] - a[0]) * epochs + outside
+              for a, b in itertools.pairwise(lines)]
+    return [Record(
+        f"full-covariance training, depth {depth}, width {width} (seconds)", Measured(rounds),
+        "s", str(device), target=None if quick else TRAINING_TARGET,
+        target_rule="a run within 120 s", section=SECTION_TRAINING,
+        note=f"method.covariance: full, {int(epochs)} epochs of batch 100, one thread; run "
+             f"wall time {wall:.0f} s, of which {outside:.0f} s outside the epochs; rounds: "
+             f"the run's time from each of its {len(rounds)} stretches of epochs")]
 
 
 def run(device: torch.device, repeats: int, quick: bool = False,
@@ -417,6 +480,7 @@ def run(device: torch.device, repeats: int, quick: bool = False,
         lambda: speed(device, repeats, batch=64 if quick else 1024, quick=quick),
         lambda: training_step(device, repeats=4 * repeats, quick=quick),
         lambda: full_covariance(device, quick=quick),
+        lambda: full_training(device, quick=quick),
         lambda: unit_accuracy(device, reference=reference, trials=5 if quick else 20),
         lambda: network_accuracy(device, reference=reference, inputs=16 if quick else 64,
                                  quick=quick)]

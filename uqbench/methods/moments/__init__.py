@@ -11,6 +11,8 @@ Weights are w ~ N(μ, σ²) with σ = softplus(ρ).
   under the Gaussian that moment propagation assigns to a pre-activation;
 - :mod:`.covariance`: the covariance of activations of two correlated Gaussians (Wu et al.,
   ICLR 2019), for the pass that also carries the covariances between units;
+- :mod:`.mehler`: its curvature term by the Mehler series, on a layer's whole covariance matrix
+  (the eager pass's form wherever the correlations are moderate);
 - :mod:`.compiling`: torch.compile as the passes use it (dynamic sizes, a quiet first call);
 - :mod:`.layers`: the Gaussian linear layer, the activation layer and their chain, each with a
   moment pass, a fused pass, a full-covariance pass and a sampled pass (Monte Carlo inference).

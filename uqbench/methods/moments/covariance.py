@@ -39,6 +39,7 @@ from functools import cache
 import numpy as np
 import torch
 
+from uqbench.methods.moments import mehler
 from uqbench.methods.moments.activations import _T_MAX
 from uqbench.methods.moments.compiling import compile_dynamic
 
@@ -213,6 +214,7 @@ def activation_covariance(name: str, mean_a: torch.Tensor, var_a: torch.Tensor,
 
 
 COMPILE_PAIRS = 2**20  # pairs in one call from which a call without gradients runs compiled
+SERIES = True  # eager calls: R by the Mehler series where |ρ| is moderate (False: quadrature)
 
 
 def leaky_relu_full_covariance(mean: torch.Tensor, cov: torch.Tensor, out_var: torch.Tensor,
@@ -222,11 +224,14 @@ def leaky_relu_full_covariance(mean: torch.Tensor, cov: torch.Tensor, out_var: t
     Each of the d(d − 1)/2 pairs above the diagonal by :func:`leaky_relu_covariance`, mirrored
     below; the diagonal is ``out_var`` (B, d), the univariate rule's exact variance.
 
-    Speed only (the same numbers to rounding): a call of at least :data:`COMPILE_PAIRS` pairs
-    that needs no gradient (a scoring's full pass or mixture: thousands of pairs per input,
-    many inputs at once) runs compiled, the NODES terms of each pair one loop in registers
-    instead of ~8 passes over memory per node, and the gathers around them fused in (several
-    times faster on a CPU core in float64); everything else runs eagerly.
+    Speed only: a call of at least :data:`COMPILE_PAIRS` pairs that needs no gradient (a
+    scoring's full pass or mixture: thousands of pairs per input, many inputs at once) runs
+    compiled, the NODES terms of each pair one loop in registers instead of ~8 passes over
+    memory per node, and the gathers around them fused in (several times faster on a CPU core
+    in float64; the same numbers as the eager quadrature to rounding); everything else (a
+    training step, a small call) runs eagerly on the whole matrix with R by its Mehler series
+    where |ρ| is moderate (:func:`_full_covariance_series`: within 1e-9·σ_aσ_b of R, the
+    quadrature's own error being up to 1e-8).
     """
     d = mean.shape[-1]
     i, j = torch.triu_indices(d, d, 1, device=mean.device)
@@ -235,7 +240,45 @@ def leaky_relu_full_covariance(mean: torch.Tensor, cov: torch.Tensor, out_var: t
     if (not needs_grad and mean.shape[0] * i.numel() >= COMPILE_PAIRS
             and not torch.compiler.is_compiling()):
         return _compiled_full_covariance()(mean, cov, out_var, i, j, float(slope))
-    return _full_covariance(mean, cov, out_var, i, j, float(slope))
+    if torch.compiler.is_compiling() or not SERIES:
+        return _full_covariance(mean, cov, out_var, i, j, float(slope))
+    return _full_covariance_series(mean, cov, out_var, float(slope))
+
+
+def _full_covariance_series(mean: torch.Tensor, cov: torch.Tensor, out_var: torch.Tensor,
+                            slope: float) -> torch.Tensor:
+    """:func:`_full_covariance` on the whole (B, d, d) matrix, σ_aσ_b·R by its Mehler series
+    (:func:`~uqbench.methods.moments.mehler.scaled_curvature_series`, within 1e-9·σ_aσ_b of
+    the exact R and its ρ-derivative) wherever |ρ| ≤ :data:`~uqbench.methods.moments.mehler.
+    MAX_RHO`, and by the quadrature (:func:`relu_curvature`) at the pairs beyond, gathered;
+    the diagonal is ``out_var``. As there, c is read above the diagonal only (mirrored
+    below), so the matrix is exactly symmetric; every pair is computed at (i, j) and at
+    (j, i), and nothing is gathered where every |ρ| is moderate. ρ = c·(1/σ_a)(1/σ_b) (1/σ
+    capped so that the product stays finite; c is 0 where σ is) is clamped to [−1, 1] only
+    where the quadrature reads it (the series' |ρ| are under 1)."""
+    var = cov.diagonal(dim1=-2, dim2=-1)
+    s, t = _standardise(mean, var)
+    slopes = slope + (1 - slope) * _cdf(t)
+    # 1/σ at most √(dtype max), so that 1/(σ_aσ_b) stays finite (c = 0 where σ is tiny)
+    inv = s.reciprocal().clamp_max(math.sqrt(torch.finfo(s.dtype).max))
+    upper = cov.triu(1)
+    pairs = upper + upper.transpose(-1, -2)         # c above the diagonal, mirrored; 0 on it
+    rho = pairs * (inv.unsqueeze(-1) * inv.unsqueeze(-2))                 # symmetric, exactly
+    low, high = torch.aminmax(rho.detach())
+    r = max(-float(low), float(high))
+    if r <= mehler.MAX_RHO:
+        curv = mehler.scaled_curvature_series(t, s, rho, mehler.terms(r), symmetric=True)
+    else:
+        far = rho.detach().abs() > mehler.MAX_RHO
+        b, i, j = far.nonzero(as_tuple=True)
+        curv = mehler.scaled_curvature_series(t, s, rho * ~far, mehler.terms(mehler.MAX_RHO),
+                                              symmetric=True)
+        curv = curv.index_put((b, i, j), s[b, i] * s[b, j] * relu_curvature(
+            t[b, i], t[b, j], rho[b, i, j].clamp(-1.0, 1.0)))
+    full = torch.add(pairs * (slopes.unsqueeze(-1) * slopes.unsqueeze(-2)), curv,
+                     alpha=(1 - slope) ** 2)
+    full.diagonal(dim1=-2, dim2=-1).copy_(out_var)
+    return full
 
 
 def _assemble(off: torch.Tensor, out_var: torch.Tensor, i: torch.Tensor,

@@ -3,7 +3,9 @@
 The reference path spends most of its time in ~45 elementwise passes of the activation (each a
 full read and write of a (B, width) tensor). The fused path evaluates the same closed forms,
 rearranged around erfc and exp of one variable, in ~20 mostly in-place passes; under
-torch.compile they become one loop per layer, erfc included (:func:`erfc_fit`).
+torch.compile they become one loop per layer, erfc included (:func:`erfc_fit`). Eagerly
+without autograd (inference) the same operations run with fewer fresh tensors and, on large
+layers, in blocks that stay in cache (:func:`leaky_relu_moments_inference`), bit for bit.
 """
 
 from __future__ import annotations
@@ -107,6 +109,55 @@ def _leaky_relu_moments_fused(
     return out_mean, out_var, (mean, s, cdf, pdf, e_pos, out_mean)
 
 
+CHUNK = 2**17  # elements per block of the eager inference pass (its temporaries stay in cache)
+
+
+def _leaky_relu_moments_lean(mean: torch.Tensor, var: torch.Tensor,
+                             a: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_leaky_relu_moments_fused`'s mean and variance (``keep`` false), eagerly and
+    bit for bit: the same operations on the same operands in the same order, with fewer fresh
+    tensors (the erfc and exp in place, Φ(t)'s upper part in s's memory once the mean is
+    formed) and the two terms that vanish for ReLU (a = 0: adding 0·C and a² = 0) skipped."""
+    s = var.clamp_min(0.0).sqrt_().clamp_min_(torch.finfo(var.dtype).tiny)
+    t = torch.div(mean, s).clamp_(-_T_MAX, _T_MAX)
+    at = t.abs()
+    big_c = torch.mul(at, 1 / math.sqrt(2)).erfc_()             # 2Φ(−|t|)
+    t2 = t * t
+    pdf = torch.mul(t2, -0.5).exp_().mul_(1 / _SQRT_2PI)        # φ(t)
+    g = torch.addcmul(pdf, at, big_c, value=-0.5).clamp_min_(0.0)
+    out_mean = F.leaky_relu(mean, a).addcmul_(s, g, value=1 - a)
+    upper = (torch.mul(big_c, -1.0, out=s) if s.shape == big_c.shape else big_c.neg()
+             ).add_(1.0).copysign_(t).clamp_min_(0.0)          # q(1 − C), as 1 + (−C)
+    out_var = (t2.add_(1).mul_(big_c).addcmul_(at, pdf, value=-2.0)
+               .addcmul_(g, g, value=-2.0).clamp_min_(0.0).mul_((1 - a) ** 2 / 2))
+    if a != 0:
+        out_var.add_(big_c, alpha=a * (1 - a))
+    out_var.add_(upper, alpha=1 - a * a)
+    if a != 0:
+        out_var.add_(a * a)
+    return out_mean, out_var.mul_(var).clamp_min_(0.0)
+
+
+def leaky_relu_moments_inference(mean: torch.Tensor, var: torch.Tensor,
+                                 a: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eager pass without autograd: :func:`_leaky_relu_moments_lean` (bit for bit
+    :func:`_leaky_relu_moments_fused`), in blocks of :data:`CHUNK` elements where the input is
+    larger (its ~8 temporaries then stay in cache instead of each pass going out to memory:
+    elementwise, so the blocks give the same numbers)."""
+    n = mean.numel()
+    if (n <= CHUNK or mean.shape != var.shape or not mean.is_contiguous()
+            or not var.is_contiguous()):
+        return _leaky_relu_moments_lean(mean, var, a)
+    out_mean, out_var = torch.empty_like(mean), torch.empty_like(var)
+    flat = (mean.view(-1), var.view(-1), out_mean.view(-1), out_var.view(-1))
+    for start in range(0, n, CHUNK):
+        m, v, om, ov = (x[start:start + CHUNK] for x in flat)
+        block_mean, block_var = _leaky_relu_moments_lean(m, v, a)
+        om.copy_(block_mean)
+        ov.copy_(block_var)
+    return out_mean, out_var
+
+
 class _LeakyReLUMomentsFused(torch.autograd.Function):
     """:func:`_leaky_relu_moments_fused` with :class:`_LeakyReLUMoments`'s closed-form
     gradients (the same backward, fed the same six tensors)."""
@@ -127,4 +178,6 @@ def leaky_relu_moments_fused(mean: torch.Tensor, var: torch.Tensor,
     without autograd it skips the autograd.Function and the tensors a backward would need."""
     if torch.is_grad_enabled() and (mean.requires_grad or var.requires_grad):
         return _LeakyReLUMomentsFused.apply(mean, var, float(slope))
-    return _leaky_relu_moments_fused(mean, var, float(slope))
+    if torch.compiler.is_compiling():
+        return _leaky_relu_moments_fused(mean, var, float(slope))
+    return leaky_relu_moments_inference(mean, var, float(slope))

@@ -140,24 +140,44 @@ class GaussianLinear(_GaussianParams):
         is skipped. in = 1 is an outer product, written pointwise (a compiler fuses it into the
         next activation); under torch.compile an output of ≤ 2 units is a sum over the inputs,
         so it fuses into the previous activation instead of writing (B, in) moments out."""
-        w_var, b_var = self.weight_var, self.bias_var
+        w_var, w_second, b_var = self._variances()
         if self.in_features == 1:
             out_mean = torch.addcmul(self.bias_mu, mean, self.weight_mu.T)  # (B, 1)·(1, out)
             out_var = torch.addcmul(b_var, mean * mean, w_var.T)
             if var is not None:
-                out_var.addcmul_(var, (self.weight_mu ** 2 + w_var).T)
+                out_var.addcmul_(var, w_second.T)
         elif torch.compiler.is_compiling() and self.out_features <= 2:
             m = mean.unsqueeze(1)                                           # (B, 1, in)
             out_mean = (m * self.weight_mu).sum(-1) + self.bias_mu
             out_var = (m * m * w_var).sum(-1) + b_var
             if var is not None:
-                out_var = out_var + (var.unsqueeze(1) * (self.weight_mu ** 2 + w_var)).sum(-1)
+                out_var = out_var + (var.unsqueeze(1) * w_second).sum(-1)
         else:
             out_mean = F.linear(mean, self.weight_mu, self.bias_mu)
             out_var = torch.addmm(b_var, mean * mean, w_var.T)
             if var is not None:  # out of place: torch's FLOP counter skips an in-place addmm_
-                out_var = torch.addmm(out_var, var, (self.weight_mu ** 2 + w_var).T)
+                out_var = torch.addmm(out_var, var, w_second.T)
         return out_mean, out_var
+
+    def _variances(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """σ_W², μ_W² + σ_W² and σ_b², as ``forward_fused`` reads them. Eagerly without
+        autograd (inference) they are kept and reused while the parameters they come from are
+        the same tensors, unchanged (each one's version counter, which every in-place update
+        moves: an optimiser step, load_state_dict): the same numbers without recomputing them
+        (softplus, squares, sums) at every call. With autograd or under torch.compile they are
+        computed afresh."""
+        params = (self.weight_mu, self.weight_rho, self.bias_rho)
+        cacheable = not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        if cacheable:
+            cached = self.__dict__.get("_variances_cache")
+            if cached is not None and all(_same(p, key) for p, key
+                                          in zip(params, cached[0], strict=True)):
+                return cached[1]
+        w_var = self.weight_var
+        out = (w_var, self.weight_mu ** 2 + w_var, self.bias_var)
+        if cacheable:
+            self.__dict__["_variances_cache"] = (tuple(_state(p) for p in params), out)
+        return out
 
     full_rule = True
 
@@ -188,7 +208,8 @@ class GaussianLinear(_GaussianParams):
             spread = w @ cw                                                 # M Σ Mᵀ
         spread = 0.5 * (spread + spread.transpose(-1, -2))  # symmetric to rounding
         out_var = spread.diagonal(dim1=-2, dim2=-1) + extra
-        return out_mean, out_var, spread + torch.diag_embed(extra)
+        spread.diagonal(dim1=-2, dim2=-1).add_(extra)       # + diag(extra), in place
+        return out_mean, out_var, spread
 
     def forward_sampled(self, x: torch.Tensor) -> torch.Tensor:
         """(S, B, in) → (S, B, out), weights drawn once per sample s."""
@@ -197,6 +218,20 @@ class GaussianLinear(_GaussianParams):
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, prior_std={self.prior_std}"
+
+
+def _state(p: torch.Tensor) -> tuple[torch.Tensor, int, torch.UntypedStorage, torch.dtype,
+                                      torch.Size]:
+    """What identifies a parameter's current values: the tensor, its version counter, its
+    storage (held, so that no new storage can take its address while the key exists: a
+    ``module.to()`` swaps a parameter's data without moving its counter), dtype and shape."""
+    return p, p._version, p.untyped_storage(), p.dtype, p.shape
+
+
+def _same(p: torch.Tensor, key: tuple) -> bool:
+    q, version, storage, dtype, shape = key
+    return (p is q and p._version == version and p.dtype == dtype and p.shape == shape
+            and p.untyped_storage().data_ptr() == storage.data_ptr())
 
 
 class MomentLeakyReLU(MomentModule):
