@@ -395,3 +395,21 @@ def test_rotated_variance_is_the_kfac_inverse_square_form(cfg, damping):
         assert not ours.requires_grad                          # no graph kept at evaluation
         torch.testing.assert_close(ours, expected.detach(), rtol=1e-5,
                                    atol=1e-6 * float(expected.abs().max()))
+
+
+def test_mixed_precision_draws_stay_near_the_float32_ones(cfg):
+    """Under bf16 autocast (a bf16-mixed run's evaluation) the forward and backward passes run
+    in bfloat16 but the algebra on the Jacobians stays in float32: the draws are float32 and
+    within bfloat16's error of the float32 draws (pinned above to laplace-torch's)."""
+    m, _ = build(cfg, "tiny_vit", "laplace_lora", "method.rank=2", "method.prior_grid=[-1,1,3]")
+    _trained_adapters(m)
+    m.fit_posthoc(TinyData(n_train=16), torch.device("cpu"))
+    m.eval()
+    x = torch.randn(7, 3, 16, 16, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        expected = m(x).exp()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            probs = m(x).exp()
+    assert probs.dtype == torch.float32 and torch.isfinite(probs).all()
+    assert expected.std(0).mean() > 1e-2                     # draws that differ from the MAP
+    torch.testing.assert_close(probs, expected, rtol=0, atol=5e-2)

@@ -35,6 +35,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from typing import Any, Literal, cast, get_args
 
 import torch
@@ -351,18 +352,24 @@ class LaplaceLoRA(LaplaceMethod):
         layers = [m for m in self.modules() if isinstance(m, MapLoRALinear)]
         with plain_attention(self):
             f_mu, parts = lora_gradients(la.model, layers, batch)
+        # the algebra on the Jacobians in the weights' float32, also under mixed precision
+        exact = partial(torch.autocast, f_mu.device.type, enabled=False)
         if self.hessian == "kron" and RotatedJacobians.fits(layers, la.posterior_precision):
-            rotated = RotatedJacobians(parts, layers, la.posterior_precision)
+            with exact():
+                rotated = RotatedJacobians(parts, layers, la.posterior_precision)
 
             def variance(diagonal: bool) -> torch.Tensor:
-                return rotated.variance(la.posterior_precision, diagonal)
-            return f_mu, variance
-        js = lora_jacobians(parts, layers)
+                with exact():
+                    return rotated.variance(la.posterior_precision, diagonal)
+            return f_mu.float(), variance
+        with exact():
+            js = lora_jacobians(parts, layers)
 
         def flat(diagonal: bool) -> torch.Tensor:
-            f_var = la.functional_variance(js).detach()
+            with exact():
+                f_var = la.functional_variance(js).detach()
             return f_var.diagonal(dim1=1, dim2=2) if diagonal else f_var
-        return f_mu, flat
+        return f_mu.float(), flat
 
     def settings(self) -> dict[str, Any]:
         return super().settings() | {
