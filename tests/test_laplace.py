@@ -276,7 +276,7 @@ def test_lora_jacobians_are_laplace_torchs_batch_jacobians(cfg, backbone):
     from laplace.curvature import CurvlinopsGGN
 
     from uqbench.methods.laplace import plain_attention
-    from uqbench.methods.lora_glm import lora_gradients, lora_jacobians
+    from uqbench.methods.lora_glm import LoRAPasses, lora_jacobians
 
     m, _ = build(cfg, backbone, "laplace_lora", "method.rank=2")
     _trained_adapters(m)
@@ -290,8 +290,8 @@ def test_lora_jacobians_are_laplace_torchs_batch_jacobians(cfg, backbone):
     layers = [x for x in m.modules() if isinstance(x, MapLoRALinear)]
     with plain_attention(m):
         expected, f_expected = CurvlinopsGGN(model, "classification").jacobians(inputs)
-        f, parts = lora_gradients(model, layers, inputs)
-    js = lora_jacobians(parts, layers)
+        passes = LoRAPasses(model, layers, inputs)
+    js, f = lora_jacobians(passes, layers), passes.f
     assert js.shape == expected.shape == (5, 3, sum(p.numel() for p in covered))
     assert expected.abs().max() > 1e-2                       # Jacobians that are not zero
     torch.testing.assert_close(js, expected, rtol=1e-5, atol=1e-6)
@@ -314,14 +314,14 @@ class _Twice(torch.nn.Module):
 def test_an_adapter_called_twice_sums_both_calls_jacobians():
     from torch.func import functional_call, jacrev, vmap
 
-    from uqbench.methods.lora_glm import lora_gradients, lora_jacobians
+    from uqbench.methods.lora_glm import LoRAPasses, lora_jacobians
 
     torch.manual_seed(0)
     net = _Twice()
     torch.nn.init.normal_(net.lora.lora_B.weight)
     x = torch.randn(6, 5, 4)
-    f, parts = lora_gradients(net, [net.lora], x)
-    assert len(parts) == 2
+    passes = LoRAPasses(net, [net.lora], x)
+    assert len(passes.calls) == 2
     names = ["lora.lora_A.weight", "lora.lora_B.weight"]
     weights = {n: p.detach() for n, p in net.named_parameters() if n in names}
 
@@ -330,8 +330,8 @@ def test_an_adapter_called_twice_sums_both_calls_jacobians():
 
     per_example = vmap(jacrev(one), in_dims=(None, 0))(weights, x)            # by autograd
     expected = torch.cat([per_example[n].flatten(2) for n in names], dim=-1)
-    torch.testing.assert_close(lora_jacobians(parts, [net.lora]), expected)
-    torch.testing.assert_close(f, net(x).detach())
+    torch.testing.assert_close(lora_jacobians(passes, [net.lora]), expected)
+    torch.testing.assert_close(passes.f, net(x).detach())
 
 
 @pytest.mark.parametrize("hessian", ["kron", "diag", "full"])
@@ -373,7 +373,7 @@ def test_rotated_variance_is_the_kfac_inverse_square_form(cfg, damping):
     """J P⁻¹ Jᵀ from the rotated Jacobians equals laplace-torch's ``inv_square_form`` of the
     flat Jacobians at every prior precision of a grid, with and without its damping."""
     from uqbench.methods.laplace import plain_attention
-    from uqbench.methods.lora_glm import RotatedJacobians, lora_gradients, lora_jacobians
+    from uqbench.methods.lora_glm import LoRAPasses, RotatedJacobians, lora_jacobians
 
     m, _ = build(cfg, "tiny_vit", "laplace_lora", "method.rank=2", "method.prior_grid=[-1,1,3]")
     _trained_adapters(m)
@@ -382,10 +382,10 @@ def test_rotated_variance_is_the_kfac_inverse_square_form(cfg, damping):
     la = m.posterior
     layers = [x for x in m.modules() if isinstance(x, MapLoRALinear)]
     x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(5))
-    with plain_attention(m):
-        _, parts = lora_gradients(la.model, layers, x)
-    js = lora_jacobians(parts, layers)
-    rotated = RotatedJacobians(parts, layers, la.posterior_precision)
+    with plain_attention(m):  # each pass set is read once (its backward frees the graph)
+        js = lora_jacobians(LoRAPasses(la.model, layers, x), layers)
+        rotated = RotatedJacobians(LoRAPasses(la.model, layers, x), layers,
+                                   la.posterior_precision)
     for prior in (1e-3, 1.0, 1e3):
         la.prior_precision = prior
         precision = la.posterior_precision

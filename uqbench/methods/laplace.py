@@ -44,7 +44,7 @@ from torch import nn
 from uqbench.backbones.base import Backbone
 from uqbench.contracts import DataInfo, to_device
 from uqbench.methods.ensemble import EnsembleMethod, positive_int
-from uqbench.methods.lora_glm import RotatedJacobians, lora_gradients, lora_jacobians
+from uqbench.methods.lora_glm import LoRAPasses, RotatedJacobians, lora_jacobians
 from uqbench.methods.member_layers import MemberLinear, Targets, replace_linears, resolve_targets
 from uqbench.methods.multiple_choice import mask_absent
 
@@ -343,7 +343,7 @@ class LaplaceLoRA(LaplaceMethod):
 
     def _linearised(self, batch: Any) -> tuple[torch.Tensor, Callable[[bool], torch.Tensor]]:
         """From one forward and one backward pass per class for the whole batch
-        (:func:`~uqbench.methods.lora_glm.lora_gradients`, timm's attention in its plain form,
+        (:class:`~uqbench.methods.lora_glm.LoRAPasses`, timm's attention in its plain form,
         as the fit's): with the Kronecker-factored posterior, the Jacobians rotated once into
         its eigenbases (:class:`~uqbench.methods.lora_glm.RotatedJacobians`), the variance of
         every prior precision from them; with the others, laplace-torch's
@@ -351,19 +351,20 @@ class LaplaceLoRA(LaplaceMethod):
         la = self.posterior
         layers = [m for m in self.modules() if isinstance(m, MapLoRALinear)]
         with plain_attention(self):
-            f_mu, parts = lora_gradients(la.model, layers, batch)
+            passes = LoRAPasses(la.model, layers, batch)
+        f_mu = passes.f
         # the algebra on the Jacobians in the weights' float32, also under mixed precision
         exact = partial(torch.autocast, f_mu.device.type, enabled=False)
         if self.hessian == "kron" and RotatedJacobians.fits(layers, la.posterior_precision):
             with exact():
-                rotated = RotatedJacobians(parts, layers, la.posterior_precision)
+                rotated = RotatedJacobians(passes, layers, la.posterior_precision)
 
             def variance(diagonal: bool) -> torch.Tensor:
                 with exact():
                     return rotated.variance(la.posterior_precision, diagonal)
             return f_mu.float(), variance
         with exact():
-            js = lora_jacobians(parts, layers)
+            js = lora_jacobians(passes, layers)
 
         def flat(diagonal: bool) -> torch.Tensor:
             with exact():

@@ -5,7 +5,7 @@ of the C logits with respect to the LoRA weights. For an adapter y = W x + s · 
 Jacobian is a sum over the layer's positions n (tokens, patches) of outer products:
 ∂f_c/∂B = s Σ_n g_cn (A x_n)ᵀ and ∂f_c/∂A = s Σ_n (Bᵀ g_cn) x_nᵀ, g_cn = ∂f_c/∂y_n. So one
 forward pass that keeps each adapter's input, and one backward pass per class that returns
-the gradients g at every adapter's output (:func:`lora_gradients`), give the Jacobians of a
+the gradients g at every adapter's output (:class:`LoRAPasses`), give the Jacobians of a
 whole batch: the examples of a batch are independent in evaluation mode (no batch
 statistics), so the gradient of Σ_b f_bc at example b's positions is example b's own.
 
@@ -22,7 +22,7 @@ quadratic form from the flat Jacobians, rotating them there and back; the other 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,75 +31,91 @@ from torch import nn
 
 
 @dataclass
-class AdapterGradients:
-    """One adapter's share of a batch: its input x (B, N, in) and, per class c, the gradients
-    g_c (B, N, out) of the logits f[:, c] with respect to its output."""
+class AdapterCall:
+    """One call of an adapter in the forward pass: its input x (B, N, in) and h = A x
+    (B, N, r), in the adapter's dtype, and its output (which the backward passes reach)."""
 
     layer: Any  # a MapLoRALinear (its lora_A, lora_B and scaling)
     x: torch.Tensor
-    g: list[torch.Tensor]
-
-    def scaled(self) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        """(x, h = A x (B, N, r), [s · g_c]) in the adapters' dtype: what both weights'
-        Jacobians are sums over positions of."""
-        weight_a = self.layer.lora_A.weight.detach()
-        x = self.x.to(weight_a.dtype)
-        return x, x @ weight_a.T, [self.layer.scaling * g.to(weight_a.dtype) for g in self.g]
+    h: torch.Tensor
+    out: torch.Tensor
 
 
-def lora_gradients(model: nn.Module, layers: Sequence[nn.Module], inputs: Any
-                   ) -> tuple[torch.Tensor, list[AdapterGradients]]:
-    """The logits f (B, C) of ``model`` at ``inputs`` and, for every call of each adapter of
-    ``layers`` in the forward pass, its input and the gradient of every logit with respect to
-    its output (one backward pass per class, each for the whole batch)."""
-    calls: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
+class LoRAPasses:
+    """One forward pass of ``model`` at ``inputs`` that keeps every call of each adapter of
+    ``layers``: the logits ``f`` (B, C), then :meth:`per_class` the backward passes."""
 
-    def keep(layer: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
-        if not out.requires_grad:  # frozen weights: the output starts the graph
-            out.requires_grad_(True)
-        calls.append((layer, args[0].detach(), out))
+    def __init__(self, model: nn.Module, layers: Sequence[nn.Module], inputs: Any) -> None:
+        self.calls: list[AdapterCall] = []
 
-    hooks = [layer.register_forward_hook(keep) for layer in layers]
-    try:
-        with torch.enable_grad():
-            f = model(inputs)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    outputs = [out for _, _, out in calls]
-    classes = f.shape[-1]
-    per_class = []
-    for c in range(classes):
-        onehot = torch.zeros_like(f)
-        onehot[:, c] = 1
-        grads = torch.autograd.grad(f, outputs, onehot, retain_graph=c < classes - 1,
-                                    allow_unused=True)
-        per_class.append([torch.zeros_like(out) if g is None else g
-                          for g, out in zip(grads, outputs, strict=True)])
-    return f.detach(), [
-        AdapterGradients(layer, x.reshape(x.shape[0], -1, x.shape[-1]),
-                         [grads[i].reshape(x.shape[0], -1, out.shape[-1]) for grads in per_class])
-        for i, (layer, x, out) in enumerate(calls)]
+        def keep(layer: Any, args: tuple[Any, ...], out: torch.Tensor) -> None:
+            if not out.requires_grad:  # frozen weights: the output starts the graph
+                out.requires_grad_(True)
+            weight = layer.lora_A.weight.detach()
+            x = args[0].detach().to(weight.dtype)
+            x = x.reshape(x.shape[0], -1, x.shape[-1])
+            with torch.autocast(x.device.type, enabled=False):  # h in the weights' dtype
+                self.calls.append(AdapterCall(layer, x, x @ weight.T, out))
+
+        hooks = [layer.register_forward_hook(keep) for layer in layers]
+        try:
+            with torch.enable_grad():
+                self._f = model(inputs)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        self.f = self._f.detach()
+
+    def per_class(self) -> Iterator[list[torch.Tensor]]:
+        """For each class c, one backward pass of the whole batch: s · ∂f_c/∂y (B, N, out) at
+        every call's output y, in the adapter's dtype (one class's gradients alive at a time;
+        the graph is freed after the last)."""
+        outputs = [call.out for call in self.calls]
+        classes = self.f.shape[-1]
+        for c in range(classes):
+            onehot = torch.zeros_like(self._f)
+            onehot[:, c] = 1
+            grads = torch.autograd.grad(self._f, outputs, onehot, retain_graph=c < classes - 1,
+                                        allow_unused=True)
+            yield [call.layer.scaling * (torch.zeros_like(call.out) if g is None else g)
+                   .reshape(call.x.shape[0], -1, call.out.shape[-1]).to(call.x.dtype)
+                   for g, call in zip(grads, self.calls, strict=True)]
 
 
-def _summed(blocks: dict[int, list[torch.Tensor]], key: int, pair: list[torch.Tensor]) -> None:
-    """Add one call's ``pair`` of blocks to ``key``'s (an adapter called more than once)."""
-    old = blocks.get(key)
-    blocks[key] = pair if old is None else [a + b for a, b in zip(old, pair, strict=True)]
+def _summed(blocks: dict[int, list[list[torch.Tensor]]], key: int,
+            pair: list[torch.Tensor]) -> None:
+    """Append one call's ``pair`` of blocks (one class's) to ``key``'s, in the order of the
+    backward passes, then of the calls."""
+    lists = blocks.setdefault(key, [[], []])
+    for kept, block in zip(lists, pair, strict=True):
+        kept.append(block)
 
 
-def lora_jacobians(parts: list[AdapterGradients], layers: Sequence[nn.Module]) -> torch.Tensor:
+def _stacked(blocks: dict[int, list[list[torch.Tensor]]], calls: dict[int, int]
+             ) -> list[torch.Tensor]:
+    """Each key's blocks (B, C, ·), its calls' shares summed, keys in order."""
+    out = []
+    for key in sorted(blocks):
+        for kept in blocks[key]:
+            n = calls[key]  # class c's share of call i is kept[c · n + i]
+            per_call = [torch.stack(kept[i::n], 1) for i in range(n)]
+            out.append(torch.stack(per_call).sum(0) if len(per_call) > 1 else per_call[0])
+    return out
+
+
+def lora_jacobians(passes: LoRAPasses, layers: Sequence[nn.Module]) -> torch.Tensor:
     """J (B, C, P) over every adapter's A and B weights in the order of ``layers`` (A before
     B: laplace-torch's flat layout of their parameters), summed over an adapter's calls."""
-    blocks: dict[int, list[torch.Tensor]] = {}
-    for part in parts:
-        x, h, gds = part.scaled()
-        weight_b = part.layer.lora_B.weight.detach()
-        # ∂f_c/∂A = Σ_n (Bᵀ gd_cn) x_nᵀ (B, r, in); ∂f_c/∂B = Σ_n gd_cn h_nᵀ (B, out, r)
-        d_a = torch.stack([torch.bmm((gd @ weight_b).transpose(1, 2), x) for gd in gds], 1)
-        d_b = torch.stack([torch.bmm(gd.transpose(1, 2), h) for gd in gds], 1)
-        _summed(blocks, layers.index(part.layer), [d_a.flatten(2), d_b.flatten(2)])
-    return torch.cat([j for k in range(len(layers)) for j in blocks[k]], dim=-1)
+    blocks: dict[int, list[list[torch.Tensor]]] = {}
+    keys = [layers.index(call.layer) for call in passes.calls]
+    for gds in passes.per_class():
+        for key, call, gd in zip(keys, passes.calls, gds, strict=True):
+            # ∂f_c/∂A = Σ_n (Bᵀ gd_n) x_nᵀ (B, r, in); ∂f_c/∂B = Σ_n gd_n h_nᵀ (B, out, r)
+            d_a = torch.bmm((gd @ call.layer.lora_B.weight.detach()).transpose(1, 2), call.x)
+            _summed(blocks, key, [d_a.flatten(1), torch.bmm(gd.transpose(1, 2),
+                                                            call.h).flatten(1)])
+    calls = {key: keys.count(key) for key in keys}
+    return torch.cat(_stacked(blocks, calls), dim=-1)
 
 
 def _inverse(values: list[torch.Tensor], delta: torch.Tensor, damping: bool) -> torch.Tensor:
@@ -118,23 +134,25 @@ class RotatedJacobians:
     sum over entries does not see), from which :meth:`variance` gives J P⁻¹ Jᵀ at the
     posterior's current prior precision."""
 
-    def __init__(self, parts: list[AdapterGradients], layers: Sequence[nn.Module],
+    def __init__(self, passes: LoRAPasses, layers: Sequence[nn.Module],
                  precision: Any) -> None:
         vectors = precision.eigenvectors
-        rotated: dict[int, list[torch.Tensor]] = {}
-        for part in parts:
-            k = 2 * layers.index(part.layer)
-            (qa1, qa2), (qb1, qb2) = vectors[k], vectors[k + 1]
-            x, h, gds = part.scaled()
-            batch, _, out = gds[0].shape
-            # block A: M = Q₁ᵀ (Σ_n Bᵀ gd_n x_nᵀ) Q₂ = Σ_n ((B Q₁)ᵀ gd_n)(Q₂ᵀ x_n)ᵀ
-            bq, xq = part.layer.lora_B.weight.detach() @ qa1, x @ qa2
-            m_a = torch.stack([torch.bmm((gd @ bq).transpose(1, 2), xq) for gd in gds], 1)
-            # block B: Mᵀ = Q₂ᵀ (Σ_n h_n gd_nᵀ) Q₁, the r × out side first
-            hq = (h @ qb2).transpose(1, 2)
-            m_bt = torch.stack([torch.bmm(hq, gd) for gd in gds], 1) @ qb1      # (B, C, r, out)
-            _summed(rotated, k, [m_a.flatten(2), m_bt.flatten(2)])
-        self.blocks = [m for k in sorted(rotated) for m in rotated[k]]
+        keys = [2 * layers.index(call.layer) for call in passes.calls]
+        sides = []
+        for key, call in zip(keys, passes.calls, strict=True):
+            (qa1, qa2), (_, qb2) = vectors[key], vectors[key + 1]
+            # block A: M = Q₁ᵀ (Σ_n Bᵀ gd_n x_nᵀ) Q₂ = Σ_n ((B Q₁)ᵀ gd_n)(Q₂ᵀ x_n)ᵀ; block B:
+            # Mᵀ = Q₂ᵀ (Σ_n h_n gd_nᵀ) Q₁, the r × out side first
+            sides.append((call.layer.lora_B.weight.detach() @ qa1, call.x @ qa2,
+                          (call.h @ qb2).transpose(1, 2), vectors[key + 1][0]))
+        blocks: dict[int, list[list[torch.Tensor]]] = {}
+        for gds in passes.per_class():
+            for key, (bq, xq, hq, qb1), gd in zip(keys, sides, gds, strict=True):
+                m_a = torch.bmm((gd @ bq).transpose(1, 2), xq)                  # (B, r, in)
+                m_bt = torch.bmm(hq, gd) @ qb1                                  # (B, r, out)
+                _summed(blocks, key, [m_a.flatten(1), m_bt.flatten(1)])
+        calls = {key: keys.count(key) for key in keys}
+        self.blocks = _stacked(blocks, calls)
 
     @staticmethod
     def fits(layers: Sequence[Any], precision: Any) -> bool:
