@@ -244,6 +244,37 @@ def test_ensemble_figures_tiny_vit(monkeypatch):
     assert 0 < state.ours < 100
 
 
+def test_laplace_evaluation_row_quick(monkeypatch):
+    """Laplace-LoRA's and MAP LoRA's predictions of every digits split are timed side by side
+    on one thread, each round pairing the two, against 3× MAP LoRA's; the figure names the
+    splits and images the dataset's config gives (test, 4 corruptions × 5 severities, OOD,
+    val; 8 images each in the quick run)."""
+    from uqbench.bench import laplace_costs
+
+    timed = laplace_costs.side_by_side
+    seen: dict[str, object] = {}
+
+    def spy(fns, *args, **kwargs):
+        seen["threads"] = torch.get_num_threads()
+
+        def keeping(name, fn):            # what each timed call returned, kept by name
+            return lambda: seen.__setitem__(name, fn())
+        return timed({k: keeping(k, fn) for k, fn in fns.items()}, *args, **kwargs)
+
+    monkeypatch.setattr(laplace_costs, "side_by_side", spy)
+    (row,) = laplace_costs.run(CPU, rounds=2, quick=True)
+    assert seen["threads"] == 1
+    assert row.figure == ("Laplace-LoRA evaluation / MAP LoRA evaluation (digits ViT, 23 splits, "
+                          "184 images in 23 batches of at most 256, 16 draws)")
+    assert row.target == 3.0 and isinstance(row.ours, Measured) and len(row.ours.rounds) == 2
+    assert row.ours > 0 and row.verdict in ("met", "missed", "unclear")
+    laplace, map_lora = seen["laplace"], seen["map"]          # what was timed: predictions
+    assert isinstance(laplace, dict) and isinstance(map_lora, dict)
+    assert laplace["test_c/fog/3"]["member_probs"].shape == (16, 8, 5)      # the draws
+    assert map_lora["test_c/fog/3"]["member_probs"].shape == (1, 8, 5)      # the MAP model
+    assert sorted(laplace) == sorted(map_lora) and len(laplace) == 23
+
+
 def test_ensemble_timings_run_on_one_thread_and_say_so(monkeypatch):
     """On a CPU every ensemble figure is timed on one thread (the section's title says it), and
     the caller's thread count is back afterwards."""

@@ -251,37 +251,165 @@ def test_half_precision_weights_are_refused_before_anything_is_built(tmp_path):
     assert not any(tmp_path.rglob("results.json"))
 
 
-class _DictNet(torch.nn.Module):
-    """A tiny model of dict inputs (as a text backbone's) with a layer norm mixing features."""
+def _trained_adapters(m) -> None:
+    """B ≠ 0 (a trained adapter's), so that the Jacobians of A are not zero."""
+    with torch.no_grad():
+        for layer in (x for x in m.modules() if isinstance(x, MapLoRALinear)):
+            layer.lora_B.weight.normal_(0, 0.5)
+
+
+def _tokens(n: int, length: int = 6) -> dict[str, torch.Tensor]:
+    """Token ids with a padded tail on every other row (the attention mask matters)."""
+    g = torch.Generator().manual_seed(2)
+    mask = torch.ones(n, length, dtype=torch.long)
+    mask[::2, length // 2:] = 0
+    return {"input_ids": torch.randint(5, 100, (n, length), generator=g),
+            "attention_mask": mask}
+
+
+@pytest.mark.parametrize("backbone", ["tiny_vit", "tiny_bert"])
+def test_lora_jacobians_are_laplace_torchs_batch_jacobians(cfg, backbone):
+    """One forward and one backward pass per class of the whole batch give the per-example
+    Jacobians laplace-torch takes of the batch's logits (torch.func's jacrev of the whole
+    (B, C) output, which costs B·C backward passes), in its (B, C, P) layout, on images and on
+    padded text alike."""
+    from laplace.curvature import CurvlinopsGGN
+
+    from uqbench.methods.laplace import plain_attention
+    from uqbench.methods.lora_glm import LoRAPasses, lora_jacobians
+
+    m, _ = build(cfg, backbone, "laplace_lora", "method.rank=2")
+    _trained_adapters(m)
+    m.eval()
+    model, covered = m.laplace_model()
+    model.requires_grad_(False)
+    for p in covered:
+        p.requires_grad_(True)
+    inputs = (_tokens(5) if backbone == "tiny_bert"
+              else torch.randn(5, 3, 16, 16, generator=torch.Generator().manual_seed(3)))
+    layers = [x for x in m.modules() if isinstance(x, MapLoRALinear)]
+    with plain_attention(m):
+        expected, f_expected = CurvlinopsGGN(model, "classification").jacobians(inputs)
+        passes = LoRAPasses(model, layers, inputs)
+    js, f = lora_jacobians(passes, layers), passes.f
+    assert js.shape == expected.shape == (5, 3, sum(p.numel() for p in covered))
+    assert expected.abs().max() > 1e-2                       # Jacobians that are not zero
+    torch.testing.assert_close(js, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(f, f_expected, rtol=1e-5, atol=1e-6)
+
+
+class _Twice(torch.nn.Module):
+    """One adapter applied twice to tokens (B, N, 4): its Jacobian is the sum of both calls'."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.a, self.b = torch.nn.Linear(4, 6), torch.nn.Linear(6, 3)
-        self.norm = torch.nn.LayerNorm(6)
+        self.lora = MapLoRALinear(torch.nn.Linear(4, 4), rank=2, scaling=0.5)
+        self.head = torch.nn.Linear(4, 3)
+        self.lora.base_layer.requires_grad_(False)
 
-    def forward(self, inputs):
-        return self.b(torch.tanh(self.norm(self.a(inputs["x"] * inputs["scale"][:, None]))))
+    def forward(self, x):
+        return self.head(torch.tanh(self.lora(torch.tanh(self.lora(x)))).mean(1))
 
 
-@pytest.mark.parametrize("vmapped", [True, False])
-def test_per_example_jacobians_are_laplace_torchs_batch_jacobians(monkeypatch, vmapped):
-    """One example at a time (vmapped, or in a loop where vmap refuses the model) gives the
-    Jacobians laplace-torch takes of the whole batch's logits, in its (B, C, P) layout."""
-    from laplace.curvature import CurvlinopsGGN
+def test_an_adapter_called_twice_sums_both_calls_jacobians():
+    from torch.func import functional_call, jacrev, vmap
 
-    from uqbench.methods.laplace import per_example_jacobians
+    from uqbench.methods.lora_glm import LoRAPasses, lora_jacobians
 
     torch.manual_seed(0)
-    net = _DictNet()
-    net.a.requires_grad_(False)                       # the covered weights: b's only
-    net.norm.requires_grad_(False)
-    inputs = {"x": torch.randn(5, 4), "scale": torch.rand(5) + 0.5}
-    if not vmapped:
-        def refuse(*args, **kwargs):
-            raise RuntimeError("data-dependent control flow")
-        monkeypatch.setattr(torch.func, "vmap", refuse)
-    js, f = per_example_jacobians(net, ["b.weight", "b.bias"], inputs)
-    expected, f_expected = CurvlinopsGGN(net, "classification").jacobians(inputs)
-    assert js.shape == (5, 3, 3 * 6 + 3)
-    torch.testing.assert_close(js, expected)
-    torch.testing.assert_close(f, f_expected)
+    net = _Twice()
+    torch.nn.init.normal_(net.lora.lora_B.weight)
+    x = torch.randn(6, 5, 4)
+    passes = LoRAPasses(net, [net.lora], x)
+    assert len(passes.calls) == 2
+    names = ["lora.lora_A.weight", "lora.lora_B.weight"]
+    weights = {n: p.detach() for n, p in net.named_parameters() if n in names}
+
+    def one(w, xi):
+        return functional_call(net, w, (xi[None],))[0]
+
+    per_example = vmap(jacrev(one), in_dims=(None, 0))(weights, x)            # by autograd
+    expected = torch.cat([per_example[n].flatten(2) for n in names], dim=-1)
+    torch.testing.assert_close(lora_jacobians(passes, [net.lora]), expected)
+    torch.testing.assert_close(passes.f, net(x).detach())
+
+
+@pytest.mark.parametrize("hessian", ["kron", "diag", "full"])
+def test_the_predictive_is_laplace_torchs_on_its_own_batch_jacobians(cfg, hessian):
+    """The draws at evaluation, f_MAP and J P⁻¹ Jᵀ equal laplace-torch's GLM predictive built
+    from its own Jacobians of the whole batch (torch.func), its ``functional_variance`` and
+    its ``normal_samples`` (what ``predictive_samples`` draws), to 1e-6 on the probabilities;
+    with the KFAC posterior (the variance from the Jacobians rotated into its eigenbases)
+    and with the others (laplace-torch's variance of the flat Jacobians)."""
+    from laplace.utils import normal_samples
+
+    from uqbench.methods.laplace import plain_attention
+
+    m, _ = build(cfg, "tiny_vit", "laplace_lora", "method.rank=2", f"method.hessian={hessian}",
+                 "method.prior_grid=[-1,1,3]")
+    _trained_adapters(m)
+    m.fit_posthoc(TinyData(n_train=16), torch.device("cpu"))
+    m.eval()
+    la = m.posterior
+    x = torch.randn(7, 3, 16, 16, generator=torch.Generator().manual_seed(4))
+    with plain_attention(m):
+        js, f_expected = la.backend.jacobians(x)
+    var_expected = la.functional_variance(js)
+    assert var_expected.diagonal(dim1=1, dim2=2).min() > 1e-3       # variances that matter
+    expected = torch.softmax(normal_samples(f_expected, var_expected, m.samples,
+                                            torch.Generator().manual_seed(0)), dim=-1)
+    with torch.no_grad():
+        probs = m(x).exp()
+    torch.testing.assert_close(probs, expected, rtol=0, atol=1e-6)
+    f_mu, variance = m._linearised(x)
+    torch.testing.assert_close(f_mu, f_expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(variance(False), var_expected, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(variance(True), var_expected.diagonal(dim1=1, dim2=2),
+                               rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("damping", [False, True])
+def test_rotated_variance_is_the_kfac_inverse_square_form(cfg, damping):
+    """J P⁻¹ Jᵀ from the rotated Jacobians equals laplace-torch's ``inv_square_form`` of the
+    flat Jacobians at every prior precision of a grid, with and without its damping."""
+    from uqbench.methods.laplace import plain_attention
+    from uqbench.methods.lora_glm import LoRAPasses, RotatedJacobians, lora_jacobians
+
+    m, _ = build(cfg, "tiny_vit", "laplace_lora", "method.rank=2", "method.prior_grid=[-1,1,3]")
+    _trained_adapters(m)
+    m.fit_posthoc(TinyData(n_train=16), torch.device("cpu"))
+    m.eval()
+    la = m.posterior
+    layers = [x for x in m.modules() if isinstance(x, MapLoRALinear)]
+    x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(5))
+    with plain_attention(m):  # each pass set is read once (its backward frees the graph)
+        js = lora_jacobians(LoRAPasses(la.model, layers, x), layers)
+        rotated = RotatedJacobians(LoRAPasses(la.model, layers, x), layers,
+                                   la.posterior_precision)
+    for prior in (1e-3, 1.0, 1e3):
+        la.prior_precision = prior
+        precision = la.posterior_precision
+        precision.damping = damping
+        expected = precision.inv_square_form(js)
+        ours = rotated.variance(precision)
+        assert not ours.requires_grad                          # no graph kept at evaluation
+        torch.testing.assert_close(ours, expected.detach(), rtol=1e-5,
+                                   atol=1e-6 * float(expected.abs().max()))
+
+
+def test_mixed_precision_draws_stay_near_the_float32_ones(cfg):
+    """Under bf16 autocast (a bf16-mixed run's evaluation) the forward and backward passes run
+    in bfloat16 but the algebra on the Jacobians stays in float32: the draws are float32 and
+    within bfloat16's error of the float32 draws (pinned above to laplace-torch's)."""
+    m, _ = build(cfg, "tiny_vit", "laplace_lora", "method.rank=2", "method.prior_grid=[-1,1,3]")
+    _trained_adapters(m)
+    m.fit_posthoc(TinyData(n_train=16), torch.device("cpu"))
+    m.eval()
+    x = torch.randn(7, 3, 16, 16, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        expected = m(x).exp()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            probs = m(x).exp()
+    assert probs.dtype == torch.float32 and torch.isfinite(probs).all()
+    assert expected.std(0).mean() > 1e-2                     # draws that differ from the MAP
+    torch.testing.assert_close(probs, expected, rtol=0, atol=5e-2)

@@ -5,6 +5,7 @@
 - SVE, LoRA-Ensemble, Deep Ensemble, MC-Dropout and a single model on ViT-S/16 and BERT-base,
   with torch-uncertainty's wrappers as anchors, and the targeted layers' memory, LLaMA-2-7B's
   included (:mod:`.ensembles`);
+- Laplace-LoRA's evaluation against MAP LoRA's on the digits benchmark (:mod:`.laplace_costs`);
 and writes ``tables/bench.json`` (a list of records: figure, ours, anchor, anchor_value,
 target, unit, device, …) and ``tables/bench.md`` when it has finished (while it measures, the
 figures so far go to ``bench.partial.json`` / ``.md``, so a stopped run never replaces a whole
@@ -32,7 +33,7 @@ import torch
 from uqbench.bench import repeat, report
 from uqbench.bench.timing import ensure_allocator
 
-PARTS = ("bnn", "ensembles", "layers")
+PARTS = ("bnn", "ensembles", "laplace", "layers")
 BUDGET_MIN = 30.0  # `make bench` on two cores: at most half an hour
 STARTED = "UQBENCH_BENCH_STARTED"  # the first process's start time, kept across the restart
 PARTIAL = "bench.partial"  # the figures of a run still measuring (bench.json: finished runs)
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING)
-    from uqbench.bench import ensembles  # after the restart: imports take seconds
+    from uqbench.bench import ensembles, laplace_costs  # after the restart: imports take seconds
     from uqbench.bench import moment_costs as bnn  # the "bnn" part
 
     parts, records = _csv(args.parts), []
@@ -116,6 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     if "ensembles" in parts:
         ensembles.run(device, args.repeats, args.members, _csv(args.models), batch=args.batch,
                       text_members=args.text_members, text_batch=args.text_batch, done=done)
+    if "laplace" in parts:
+        laplace_costs.run(device, rounds=2 if args.quick else laplace_costs.ROUNDS,
+                          quick=args.quick, done=done)
     if "layers" in parts and not args.quick:
         done(ensembles.llama_layer_memory())
     records.append(wall_time(float(os.environ[STARTED]), device))

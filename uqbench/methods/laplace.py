@@ -22,9 +22,10 @@ The runner calls :meth:`LaplaceMethod.fit_posthoc` after training and after load
 checkpoint (``job=eval``); the fit reads the training split once, so it is deterministic.
 
 Longer than most modules: laplace-torch computes the Jacobians of the predictive for a whole
-batch at once, at a cost that grows with the batch size squared; the Jacobians here are taken
-one example at a time (:func:`per_example_jacobians`) and, in the prior's grid search, once for
-every point of the grid, with laplace-torch's own curvature, variances and draws on top.
+batch at once, at a cost that grows with the batch size squared; here the Jacobians of a batch
+come from one forward and one backward pass per class (:mod:`uqbench.methods.lora_glm` for
+Laplace-LoRA, laplace-torch's closed form for the last layer), once for every point of the
+prior's grid search, with laplace-torch's own curvature and draws on top.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable, Iterator, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from typing import Any, Literal, cast, get_args
 
 import torch
@@ -42,6 +44,7 @@ from torch import nn
 from uqbench.backbones.base import Backbone
 from uqbench.contracts import DataInfo, to_device
 from uqbench.methods.ensemble import EnsembleMethod, positive_int
+from uqbench.methods.lora_glm import LoRAPasses, RotatedJacobians, lora_jacobians
 from uqbench.methods.member_layers import MemberLinear, Targets, replace_linears, resolve_targets
 from uqbench.methods.multiple_choice import mask_absent
 
@@ -95,45 +98,6 @@ def plain_attention(module: nn.Module) -> Iterator[None]:
     finally:
         for m in fused:
             setattr(m, "fused_attn", True)  # noqa: B010
-
-
-def per_example_jacobians(model: nn.Module, names: list[str],
-                          inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """J (B, C, P) of ``model``'s logits (B, C) with respect to its parameters ``names``
-    (flattened and concatenated in that order, laplace-torch's layout), and the logits.
-
-    Each example's Jacobian is taken alone (``vmap`` over the batch of a one-example
-    ``jacrev``): B·C backward passes of one example, where the Jacobian of the whole batch's
-    logits costs B·C passes of the whole batch. Models whose forward cannot be vmapped
-    (data-dependent control flow, as some Hugging Face models' mask checks) are taken one
-    example at a time instead. Inputs: a tensor, or a mapping of tensors (batched on dim 0)."""
-    from torch.func import functional_call, jacrev, vmap
-
-    params = dict(model.named_parameters())
-    covered = {n: params[n].detach() for n in names}
-    rest = ({n: p.detach() for n, p in params.items() if n not in covered}
-            | dict(model.named_buffers()))
-
-    def one(weights: dict[str, torch.Tensor], example: Any) -> tuple[torch.Tensor, ...]:
-        batch1 = ({k: v.unsqueeze(0) for k, v in example.items()}
-                  if isinstance(example, MutableMapping) else example.unsqueeze(0))
-        out = functional_call(model, (weights, rest), (batch1,))[0]
-        return out, out
-
-    jac = jacrev(one, has_aux=True)
-    inputs = ({k: v for k, v in inputs.items() if torch.is_tensor(v)}
-              if isinstance(inputs, MutableMapping) else inputs)
-    try:
-        js, f = vmap(jac, in_dims=(None, 0))(covered, inputs)
-    except RuntimeError as error:  # vmap's refusal of data-dependent control flow
-        log.debug("per_example_jacobians: vmap failed (%s); one example at a time", error)
-        size = len(next(iter(inputs.values())) if isinstance(inputs, MutableMapping) else inputs)
-        parts = [jac(covered, {k: v[i] for k, v in inputs.items()}
-                     if isinstance(inputs, MutableMapping) else inputs[i]) for i in range(size)]
-        js = {n: torch.stack([p[0][n] for p in parts]) for n in names}
-        f = torch.stack([p[1] for p in parts])
-    flat = torch.cat([js[n].flatten(start_dim=2) for n in names], dim=-1)
-    return flat.detach(), f.detach()
 
 
 class _Part(nn.Module):
@@ -226,7 +190,6 @@ class LaplaceMethod(EnsembleMethod):
         super().__init__(backbone, info, members=1, name=name)
         self.posterior: Any = None
         self.prior_precision: float | None = None
-        self._covered: list[str] = []  # the posterior's weights, by name (set by the fit)
 
     @classmethod
     def check_trainer(cls, trainer: dict[str, Any], method: dict[str, Any]) -> None:
@@ -248,7 +211,8 @@ class LaplaceMethod(EnsembleMethod):
         generator = torch.Generator(device=self.head.weight.device).manual_seed(0)
         from laplace.utils import normal_samples
 
-        f_mu, f_var = self._glm_moments(batch)
+        f_mu, variance = self._linearised(batch)
+        f_var = variance(False)
         mask = _choices(batch)
         if mask is not None:  # absent choices have no variance; a unit one keeps the Cholesky
             f_var = f_var + torch.diag_embed((~mask.bool()).to(f_var.dtype))  # defined
@@ -261,20 +225,11 @@ class LaplaceMethod(EnsembleMethod):
         and the model the posterior approximates."""
         return super().forward(inputs)
 
-    def _glm_moments(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """The linearised predictive's moments f_MAP (B, C) and J P⁻¹ Jᵀ (B, C, C), as
-        laplace-torch's GLM predictive computes them, with the Jacobians of the adapters taken
-        one example at a time (:func:`per_example_jacobians`) instead of laplace-torch's
-        Jacobian of the whole batch's logits, whose cost grows with the batch size squared."""
-        js, f_mu = self._jacobians(batch)
-        return f_mu.detach(), self.posterior.functional_variance(js).detach()
-
-    def _jacobians(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """J (B, C, P) of the logits with respect to the covered weights, and the logits."""
-        if self.subset == "last_layer":  # laplace-torch's closed form: features ⊗ I
-            return self.posterior.backend.last_layer_jacobians(batch)
-        with plain_attention(self):
-            return per_example_jacobians(self.posterior.model, self._covered, batch)
+    def _linearised(self, batch: Any) -> tuple[torch.Tensor, Callable[[bool], torch.Tensor]]:
+        """The linearised predictive at one batch: f_MAP (B, C), and a function giving
+        J P⁻¹ Jᵀ (B, C, C) (its diagonal (B, C) when called with True) at the posterior's
+        current prior precision, from Jacobians taken once for the batch (subclasses)."""
+        raise NotImplementedError
 
     def laplace_model(self) -> tuple[nn.Module, list[nn.Parameter]]:
         """The model laplace-torch approximates (inputs → logits (B, C)) and the weights the
@@ -307,7 +262,6 @@ class LaplaceMethod(EnsembleMethod):
                 # .dataset)
                 la.fit(cast(Any, _Batches(data.loader("train"), device)))
                 self.posterior = la
-                self._covered = [n for n, p in model.named_parameters() if p.requires_grad]
                 lo, hi, points = self.prior_grid
                 grid = torch.logspace(lo, hi, points)
                 grid_nll = self.grid_nll(_Batches(data.loader("val"), device), grid)
@@ -338,11 +292,11 @@ class LaplaceMethod(EnsembleMethod):
         n = 0
         for batch in batches:
             x, y = (batch, batch["labels"]) if isinstance(batch, MutableMapping) else batch
-            js, f_mu = self._jacobians(x)  # once (f_var below is the cheap part)
+            f_mu, variance = self._linearised(x)  # once (f_var below is the cheap part)
             f_mu = mask_absent(f_mu[None], _choices(x))[0]
             for i, prior in enumerate(grid):
                 la.prior_precision = prior
-                f_var = la.functional_variance(js).diagonal(dim1=1, dim2=2)
+                f_var = variance(True)
                 probs = torch.softmax(f_mu / torch.sqrt(1.0 + math.pi / 8 * f_var), dim=-1)
                 nll[i] += torch.nn.functional.nll_loss(probs.log(), y, reduction="sum").item()
             n += len(y)
@@ -387,6 +341,37 @@ class LaplaceLoRA(LaplaceMethod):
     def fit_posthoc(self, data: Any, device: torch.device) -> dict[str, Any]:
         return super().fit_posthoc(data, device) if self.laplace else {}
 
+    def _linearised(self, batch: Any) -> tuple[torch.Tensor, Callable[[bool], torch.Tensor]]:
+        """From one forward and one backward pass per class for the whole batch
+        (:class:`~uqbench.methods.lora_glm.LoRAPasses`, timm's attention in its plain form,
+        as the fit's): with the Kronecker-factored posterior, the Jacobians rotated once into
+        its eigenbases (:class:`~uqbench.methods.lora_glm.RotatedJacobians`), the variance of
+        every prior precision from them; with the others, laplace-torch's
+        ``functional_variance`` of the flat Jacobians."""
+        la = self.posterior
+        layers = [m for m in self.modules() if isinstance(m, MapLoRALinear)]
+        with plain_attention(self):
+            passes = LoRAPasses(la.model, layers, batch)
+        f_mu = passes.f
+        # the algebra on the Jacobians in the weights' float32, also under mixed precision
+        exact = partial(torch.autocast, f_mu.device.type, enabled=False)
+        if self.hessian == "kron" and RotatedJacobians.fits(layers, la.posterior_precision):
+            with exact():
+                rotated = RotatedJacobians(passes, layers, la.posterior_precision)
+
+            def variance(diagonal: bool) -> torch.Tensor:
+                with exact():
+                    return rotated.variance(la.posterior_precision, diagonal)
+            return f_mu.float(), variance
+        with exact():
+            js = lora_jacobians(passes, layers)
+
+        def flat(diagonal: bool) -> torch.Tensor:
+            with exact():
+                f_var = la.functional_variance(js).detach()
+            return f_var.diagonal(dim1=1, dim2=2) if diagonal else f_var
+        return f_mu.float(), flat
+
     def settings(self) -> dict[str, Any]:
         return super().settings() | {
             "rank": self.rank, "alpha": self.alpha, "scaling": self.scaling,
@@ -412,6 +397,17 @@ class LastLayerLaplace(LaplaceMethod):
 
     def fine_tuned(self) -> list[nn.Module]:
         return [self.encoder] if self.finetune else []
+
+    def _linearised(self, batch: Any) -> tuple[torch.Tensor, Callable[[bool], torch.Tensor]]:
+        """laplace-torch's closed-form last-layer Jacobians (features ⊗ I) and its
+        ``functional_variance``."""
+        js, f_mu = self.posterior.backend.last_layer_jacobians(batch)
+        js, f_mu = js.detach(), f_mu.detach()
+
+        def variance(diagonal: bool) -> torch.Tensor:
+            f_var = self.posterior.functional_variance(js).detach()
+            return f_var.diagonal(dim1=1, dim2=2) if diagonal else f_var
+        return f_mu, variance
 
     def laplace_model(self) -> tuple[nn.Module, list[nn.Parameter]]:
         model = _HeadAsLinear(self)
