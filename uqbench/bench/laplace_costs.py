@@ -25,7 +25,7 @@ from uqbench.bench.report import Record
 from uqbench.bench.timing import one_thread, side_by_side
 from uqbench.methods.laplace import MapLoRALinear
 
-TARGET = 3.0  # Laplace-LoRA's evaluation at most 3× MAP LoRA's (issue 53)
+TARGET = 3.0  # Laplace-LoRA's evaluation at most 3× MAP LoRA's
 ROUNDS = 5    # interleaved rounds: each one evaluation of each method
 SECTION = "Laplace-LoRA: evaluation (digits ViT{threads})"
 
