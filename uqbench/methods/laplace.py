@@ -100,6 +100,14 @@ def plain_attention(module: nn.Module) -> Iterator[None]:
             setattr(m, "fused_attn", True)  # noqa: B010
 
 
+def flat_variance(posterior: Any, js: torch.Tensor, diagonal: bool) -> torch.Tensor:
+    """J P⁻¹ Jᵀ (B, C, C) of flat Jacobians ``js`` (B, C, P) by laplace-torch's
+    ``functional_variance`` at the posterior's prior precision (its diagonal (B, C) when
+    ``diagonal``)."""
+    f_var = posterior.functional_variance(js).detach()
+    return f_var.diagonal(dim1=1, dim2=2) if diagonal else f_var
+
+
 class _Part(nn.Module):
     """One part of the method as laplace-torch calls a model: inputs (B, …), or a mapping of
     input tensors (and ``labels``), → the MAP logits (B, C) (``part="logits"``) or the encoder
@@ -368,8 +376,7 @@ class LaplaceLoRA(LaplaceMethod):
 
         def flat(diagonal: bool) -> torch.Tensor:
             with exact():
-                f_var = la.functional_variance(js).detach()
-            return f_var.diagonal(dim1=1, dim2=2) if diagonal else f_var
+                return flat_variance(la, js, diagonal)
         return f_mu.float(), flat
 
     def settings(self) -> dict[str, Any]:
@@ -402,12 +409,7 @@ class LastLayerLaplace(LaplaceMethod):
         """laplace-torch's closed-form last-layer Jacobians (features ⊗ I) and its
         ``functional_variance``."""
         js, f_mu = self.posterior.backend.last_layer_jacobians(batch)
-        js, f_mu = js.detach(), f_mu.detach()
-
-        def variance(diagonal: bool) -> torch.Tensor:
-            f_var = self.posterior.functional_variance(js).detach()
-            return f_var.diagonal(dim1=1, dim2=2) if diagonal else f_var
-        return f_mu, variance
+        return f_mu.detach(), partial(flat_variance, self.posterior, js.detach())
 
     def laplace_model(self) -> tuple[nn.Module, list[nn.Parameter]]:
         model = _HeadAsLinear(self)

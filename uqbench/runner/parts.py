@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -17,9 +17,7 @@ from uqbench.configs import options_where
 from uqbench.contracts import to_device
 from uqbench.methods.base import Method
 from uqbench.runner.engine.evaluation import Splits, chosen_splits
-
-if TYPE_CHECKING:
-    from uqbench.runner.spec import RunSpec
+from uqbench.runner.spec import RunSpec, value_at
 
 DIAGNOSTIC_INPUTS = 256  # test inputs handed to Method.diagnostics
 
@@ -136,24 +134,15 @@ def recipes_used(config: dict[str, Any], results: dict[str, Any]) -> dict[str, A
                 and isinstance(table.get("choices"), dict)):
             continue
         provenance = table["provenance"]
-        group = [str(_at(results, key)) for key in provenance.get("group_by") or []]
-        chosen = _at(table["choices"], group)
+        group = [str(value_at(results, key)) for key in provenance.get("group_by") or []]
+        chosen = value_at(table["choices"], group)
         keys = provenance.get("keys") or {}
         if not isinstance(chosen, dict) or not chosen or any(
-                _at(results, ["settings", *str(keys.get(k, k)).split(".")]) != v
+                value_at(results, ["settings", *str(keys.get(k, k)).split(".")]) != v
                 for k, v in chosen.items()):
             continue
-        details = _at(table.get("groups") or {}, group)
+        details = value_at(table.get("groups") or {}, group)
         edge = details.get("edge") if isinstance(details, dict) else None
         used[name] = {"file": provenance.get("file"), "group": group, "choices": chosen,
                       "edge": list(edge or [])}
     return used
-
-
-def _at(tree: Any, path: str | list[str]) -> Any:
-    """The value at a dotted path (or a list of keys) in nested mappings; None where absent."""
-    for part in path.split(".") if isinstance(path, str) else path:
-        if not isinstance(tree, dict) or part not in tree:
-            return None
-        tree = tree[part]
-    return tree

@@ -205,9 +205,10 @@ class RunSpec:
                 "variant": self.variant, "overrides": list(self.overrides)}
 
 
-def value_at(tree: Any, path: str) -> Any:
-    """The value at a dotted path of nested mappings (a resolved config), None where absent."""
-    for key in path.split("."):
+def value_at(tree: Any, path: str | list[str]) -> Any:
+    """The value at a dotted path (or a list of keys) of nested mappings (a resolved config,
+    a results dict), None where absent."""
+    for key in path.split(".") if isinstance(path, str) else path:
         if not isinstance(tree, Mapping) or key not in tree:
             return None
         tree = tree[key]
