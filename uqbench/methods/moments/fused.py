@@ -3,7 +3,8 @@
 The reference path spends most of its time in ~45 elementwise passes of the activation (each a
 full read and write of a (B, width) tensor). The fused path evaluates the same closed forms,
 rearranged around erfc and exp of one variable, in ~20 mostly in-place passes; under
-torch.compile they become one loop per layer, erfc included (:func:`erfc_fit`). Eagerly
+torch.compile they become one loop per layer, erfc included (:func:`erfcx_fit`, which
+shares φ's exponential). Eagerly
 without autograd (inference) the same operations run with fewer fresh tensors and, on large
 layers, in blocks that stay in cache (:func:`leaky_relu_moments_inference`), bit for bit.
 """
@@ -21,22 +22,28 @@ from uqbench.methods.moments.activations import _T_MAX, _LeakyReLUMoments
 _SQRT_2PI = math.sqrt(2 * math.pi)
 
 
-# erfc(z) ≈ τ·exp(−z² + P(τ)), τ = 1/(1 + z/2), z ≥ 0: the Chebyshev fit of Press et al.,
-# *Numerical Recipes* (2nd ed., §6.2, erfcc), fractional error under 1.2e-7 for every z ≥ 0
-_ERFC_FIT = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.27886807,
-             -1.13520398, 1.48851587, -0.82215223, 0.17087277)
+# erfcx(z) = exp(z²)·erfc(z) ≈ τ·P(τ − τ₀), τ = 1/(1 + z/2), z ∈ [0, 40/√2] (t up to the clamp):
+# a degree-10 polynomial fitted here to the relative error over that range (minimax by
+# iteratively reweighted least squares against scipy's erfcx), fractional error under 1e-8
+_ERFCX_MID = 0.53302044  # τ₀: the middle of τ's range [1/(1 + 20/√2), 1]
+_ERFCX_FIT = (0.5340961861, 0.7245252051, 0.5722227363, 0.1219914475, -0.1875083927,
+              -0.08327143273, 0.1083400815, 0.03416931226, -0.08065740218, -0.004130548471,
+              0.04411497943)
 
 
-def erfc_fit(z: torch.Tensor) -> torch.Tensor:
-    """erfc(z) for z ≥ 0 by :data:`_ERFC_FIT`: a division, nine multiply-adds and one exp, which
-    compiled code fuses into the pass's loop (ATen's erfc kernel is a call of its own, the most
-    costly step of the compiled pass, and inductor's own erfc is slower still). In float32 the
-    exp of −z² adds a relative error of about z²·2⁻²⁴, as in ATen's float32 erfc."""
+def erfcx_fit(z: torch.Tensor) -> torch.Tensor:
+    """erfcx(z) = exp(z²)·erfc(z) for 0 ≤ z ≤ 40/√2 by :data:`_ERFCX_FIT`: a division and ten
+    multiply-adds, no exponential. The compiled pass takes erfc(|t|/√2) = erfcx·exp(−t²/2)
+    from it, sharing φ(t)'s exponential, so each unit costs one exp instead of two; compiled,
+    it fuses into the pass's loop (ATen's erfc kernel is a call of its own, and inductor's
+    own erfc is slower still). In float32 its error is the rounding of τ and of the ten
+    steps (a few units of 2⁻²⁴)."""
     tau = 1 / (1 + 0.5 * z)
-    poly = tau * _ERFC_FIT[-1] + _ERFC_FIT[-2]
-    for c in reversed(_ERFC_FIT[:-2]):
-        poly = poly * tau + c
-    return tau * torch.exp(poly - z * z)
+    u = tau - _ERFCX_MID
+    poly = u * _ERFCX_FIT[-1] + _ERFCX_FIT[-2]
+    for c in reversed(_ERFCX_FIT[:-2]):
+        poly = poly * u + c
+    return tau * poly
 
 
 @torch.library.custom_op("uqbench::erfc", mutates_args=())
@@ -51,13 +58,16 @@ def _(z: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(z)
 
 
-def _erfc(z: torch.Tensor) -> torch.Tensor:
-    """erfc of z ≥ 0: in compiled code, :func:`erfc_fit` in float32 and lower (its error is
-    float32's rounding, so the compiled pass equals the eager one to rounding) and ATen's
-    kernel in float64 (where the fit's 1.2e-7 would not be rounding); ATen's kernel eagerly."""
+def _erfc(z: torch.Tensor, pdf: torch.Tensor) -> torch.Tensor:
+    """erfc of z = |t|/√2 ≥ 0, given φ(t) = exp(−z²)/√(2π): in compiled code,
+    :func:`erfcx_fit` times √(2π)·φ(t) in float32 and lower (its error is float32's rounding,
+    so the compiled pass equals the eager one to rounding) and ATen's kernel in float64
+    (where the fit's 1e-8 would not be rounding); ATen's kernel eagerly."""
     if not torch.compiler.is_compiling():
         return torch.special.erfc(z)
-    return _erfc_kernel(z) if z.dtype == torch.float64 else erfc_fit(z)
+    if z.dtype == torch.float64:
+        return _erfc_kernel(z)
+    return erfcx_fit(z) * (pdf * _SQRT_2PI)
 
 
 # the six tensors _LeakyReLUMoments.backward reads: mean, s, Φ(t), φ(t), E₊, the output mean
@@ -92,9 +102,9 @@ def _leaky_relu_moments_fused(
     s = var.clamp_min(0.0).sqrt_().clamp_min_(torch.finfo(var.dtype).tiny)
     t = torch.div(mean, s).clamp_(-_T_MAX, _T_MAX)
     at = t.abs()
-    big_c = _erfc(at * (1 / math.sqrt(2)))                      # 2Φ(−|t|)
     t2 = t * t
     pdf = torch.exp(t2 * -0.5).mul_(1 / _SQRT_2PI)              # φ(t)
+    big_c = _erfc(at * (1 / math.sqrt(2)), pdf)                 # 2Φ(−|t|)
     g = torch.addcmul(pdf, at, big_c, value=-0.5).clamp_min_(0.0)
     out_mean = F.leaky_relu(mean, a).addcmul_(s, g, value=1 - a)
     upper = torch.rsub(big_c, 1.0).copysign_(t).clamp_min_(0.0)  # q(1 − C) = Φ(t) − Φ(−|t|)
