@@ -432,3 +432,41 @@ def test_comparing_a_file_that_is_not_a_bench_json_names_it(tmp_path, capsys):
     with pytest.raises(SystemExit):
         repeat.main([str(tmp_path / "x.json"), str(tmp_path / "x.json"), "--out", str(tmp_path)])
     assert "x.json: not a list of benchmark records" in capsys.readouterr().err
+
+
+def test_eager_floor_keeps_the_pass_matrix_work_and_its_three_calls_per_unit():
+    """The eager floor row's network: the same matrix products as the eager fused pass (torch's
+    FLOP counter, which counts only them) and, beside the linear layers' own products, one
+    sqrt, exp and erfc per hidden unit and nothing else at the hidden layers' size."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from uqbench.bench import moment_costs as bnn
+
+    net = bnn.build_bnn(16, 2, CPU)
+    floor = bnn.eager_floor(net)
+    x = torch.linspace(-2, 2, 32).unsqueeze(1)
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.wide = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.shape == (32, 16):
+                self.wide.append(func.overloadpacket.__name__)
+            return out
+
+    with torch.no_grad():
+        flops = []
+        for fn in (net.moment_pass, floor):
+            with FlopCounterMode(display=False) as counter:
+                mean, var = fn(x)
+            flops.append(counter.get_total_flops())
+            assert mean.shape == var.shape == (32, 1) and torch.isfinite(var).all()
+        assert flops[0] == flops[1] > 0
+        with Calls() as calls:
+            floor(x)
+    elementwise = [c for c in calls.wide if c not in ("addmm", "addcmul", "mm", "mul")]
+    assert sorted(elementwise) == sorted(["sqrt", "neg", "exp", "erfc"] * 2)
