@@ -119,12 +119,13 @@ def _shaped(grad: torch.Tensor | None, like: torch.Tensor, call: AdapterCall) ->
 def _sums(passes: LoRAPasses, layers: Sequence[nn.Module], inputs: list[torch.Tensor],
           outputs: list[torch.Tensor], rotations: Sequence[tuple[torch.Tensor, torch.Tensor]]
           | None = None) -> list[torch.Tensor]:
-    """Each adapter's two blocks (B, C, ·), in the order of ``layers``, A's then B's, summed
-    over its calls: for call i, A's Σ_n d_n inputs[i]_nᵀ (B, C, r, in) and B's Σ_n
-    outputs[i]_n g_nᵀ (B, C, r, out) (``outputs[i]`` (B, r, N)), with d and g rotated by the
-    adapter's ``rotations`` (Q₁ of A (r, r), Q₁ of B (out, out)) if given: B's sums filled
-    class by class into one buffer (C, B, ·), rotated by one product of the batch's B · r
-    rows; the d of all classes (C · r columns, small) kept for one product per call."""
+    """Each called adapter's two blocks (B, C, ·), in the order of ``layers``, A's then B's,
+    summed over its calls: for call i, A's Σ_n d_n inputs[i]_nᵀ (B, C, r · in) and B's Σ_n
+    outputs[i]_n g_nᵀ (B, C, r · out) (``outputs[i]`` (B, r, N)), with d and g rotated by the
+    adapter's ``rotations`` (Q₁ of A (r, r), Q₁ of B (out, out)) if given. B's sums are
+    filled class by class into one buffer (C, B, ·), rotated by one product of the batch's
+    B · r rows; the d of all classes (C · r columns, small) are kept for one product per
+    call."""
     keys = [layers.index(call.layer) for call in passes.calls]
     first = {key: keys.index(key) for key in keys}
     batch, classes = passes.f.shape
@@ -163,9 +164,10 @@ def lora_jacobians(passes: LoRAPasses, layers: Sequence[nn.Module]) -> torch.Ten
     # transpose (B, r, out)
     blocks = _sums(passes, layers, [call.x for call in passes.calls],
                    [(call.layer.scaling * call.h).transpose(1, 2) for call in passes.calls])
-    for i in range(1, len(blocks), 2):
-        r = layers[i // 2].lora_B.weight.shape[1]
-        blocks[i] = blocks[i].unflatten(-1, (r, -1)).transpose(-1, -2).flatten(2)
+    called = sorted({layers.index(call.layer) for call in passes.calls})
+    for i, key in enumerate(called):
+        r = layers[key].lora_B.weight.shape[1]
+        blocks[2 * i + 1] = blocks[2 * i + 1].unflatten(-1, (r, -1)).transpose(-1, -2).flatten(2)
     return torch.cat(blocks, dim=-1)
 
 
