@@ -273,6 +273,9 @@ def test_laplace_evaluation_row_quick(monkeypatch):
     assert laplace["test_c/fog/3"]["member_probs"].shape == (16, 8, 5)      # the draws
     assert map_lora["test_c/fog/3"]["member_probs"].shape == (1, 8, 5)      # the MAP model
     assert sorted(laplace) == sorted(map_lora) and len(laplace) == 23
+    # one forward and 5 backward passes, each about a forward's products, before the rotation
+    products = re.search(r"(\d+\.\d)× MAP LoRA's floating-point operations", row.note)
+    assert products is not None and float(products.group(1)) > 5
 
 
 def test_ensemble_timings_run_on_one_thread_and_say_so(monkeypatch):

@@ -9,7 +9,10 @@ val, in ``dataset.eval_batch_size`` batches: the task's ``predict``, as the runn
 evaluation calls it) are timed side by side, interleaved, on one CPU thread, and the figure
 is their ratio per round against the target of :data:`TARGET`. The metrics the runner
 computes from the predictions after them are left out: they take the same few tens of
-milliseconds for both.
+milliseconds for both. The row's note also gives the ratio of the two methods' floating-point
+operations in matrix products on one batch (PyTorch's ``FlopCounterMode``): the arithmetic
+the exact linearised predictive needs, which a time ratio below it could only reach by running
+faster per operation than MAP LoRA.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from typing import Any
 import torch
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
+from torch.utils.flop_counter import FlopCounterMode
 
 from uqbench.bench.report import Record
 from uqbench.bench.timing import one_thread, side_by_side
+from uqbench.contracts import to_device
 from uqbench.methods.laplace import MapLoRALinear
 
 TARGET = 3.0  # Laplace-LoRA's evaluation at most 3× MAP LoRA's
@@ -41,6 +46,16 @@ def build(method: str, device: torch.device, *overrides: str) -> tuple[Any, Any,
     data.setup(backbone)
     model = instantiate(cfg.method)(backbone=backbone, info=data.info).to(device)
     return model, data, instantiate(cfg.task)
+
+
+def flops(method: Any, data: Any, split: str, device: torch.device) -> int:
+    """Floating-point operations of the matrix products (PyTorch's ``FlopCounterMode``) in
+    ``method``'s predictions of the first batch of ``split``."""
+    inputs, _ = next(iter(data.loader(split)))
+    method.eval()
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        method(to_device(inputs, device))
+    return int(counter.get_total_flops())
 
 
 def run(device: torch.device, rounds: int = ROUNDS, quick: bool = False,
@@ -64,6 +79,8 @@ def run(device: torch.device, rounds: int = ROUNDS, quick: bool = False,
         posthoc = laplace.fit_posthoc(data, device)["laplace"]
         t = side_by_side({"laplace": predictions(laplace), "map": predictions(map_lora)},
                          device, repeats=rounds, warmup=1, rounds=rounds)
+        products = flops(laplace, data, splits[0], device) / flops(map_lora, data, splits[0],
+                                                                    device)
     batches = sum(len(data.loader(s)) for s in splits)
     examples = sum(len(y) for s in splits for _, y in data.loader(s))
     classes, samples = data.info.num_classes, laplace.samples
@@ -77,7 +94,9 @@ def run(device: torch.device, rounds: int = ROUNDS, quick: bool = False,
         note=f"Laplace-LoRA {float(t['laplace']):.3g} s, MAP LoRA {float(t['map']):.3g} s "
              f"per evaluation (the predictions of every split, without the metrics); "
              f"the Jacobians take one forward and {classes} backward passes (one per class) of "
-             f"each batch, then their rotation into the KFAC posterior's eigenbases; the "
-             f"posterior fitted untimed ({posthoc['fit_s']:.3g} s)")
+             f"each batch, then their rotation into the KFAC posterior's eigenbases: "
+             f"{products:.1f}× MAP LoRA's floating-point operations in matrix products "
+             f"(counted on one batch); the posterior fitted untimed "
+             f"({posthoc['fit_s']:.3g} s)")
     done([row])
     return [row]

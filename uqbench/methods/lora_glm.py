@@ -1,23 +1,31 @@
 """Laplace-LoRA's linearised (GLM) predictive from one forward and C backward passes per batch.
 
 The predictive's moments are f_MAP (B, C) and J P⁻¹ Jᵀ (B, C, C), J the per-example Jacobian
-of the C logits with respect to the LoRA weights. For an adapter y = W x + s · B (A x) the
-Jacobian is a sum over the layer's positions n (tokens, patches) of outer products:
-∂f_c/∂B = s Σ_n g_cn (A x_n)ᵀ and ∂f_c/∂A = s Σ_n (Bᵀ g_cn) x_nᵀ, g_cn = ∂f_c/∂y_n. So one
-forward pass that keeps each adapter's input, and one backward pass per class that returns
-the gradients g at every adapter's output (:class:`LoRAPasses`), give the Jacobians of a
-whole batch: the examples of a batch are independent in evaluation mode (no batch
-statistics), so the gradient of Σ_b f_bc at example b's positions is example b's own.
+of the C logits with respect to the LoRA weights. For an adapter y = W x + s · B h, h = A x,
+the Jacobian is a sum over the layer's positions n (tokens, patches) of outer products:
+∂f_c/∂B = s Σ_n g_cn h_nᵀ and ∂f_c/∂A = Σ_n d_cn x_nᵀ, with g_cn = ∂f_c/∂y_n and
+d_cn = ∂f_c/∂h_n = s Bᵀ g_cn. So one forward pass that keeps each adapter's input and the
+adapter's two outputs (y, and h inside it), and one backward pass per class that returns the
+gradients at both (:class:`LoRAPasses`; the backward pass computes d on its way to the
+adapter's input anyway), give the Jacobians of a whole batch: the examples of a batch are
+independent in evaluation mode (no batch statistics), so the gradient of Σ_b f_bc at example
+b's positions is example b's own. The C backward passes stay separate: batched into one
+(autograd's ``is_grads_batched``, a vmap over the cotangents) they do the same arithmetic and
+take longer.
 
 With laplace-torch's Kronecker-factored posterior (``hessian: kron``), each adapter weight's
 precision block is (Q₁ ⊗ Q₂)(Λ₁ ⊗ Λ₂ + δ)(Q₁ ⊗ Q₂)ᵀ (eigendecomposed once, when it is
 fitted; the prior precision δ added), so J P⁻¹ Jᵀ = Σ_blocks Σ_ij M_ci,j M_c'i,j / (λ₁ᵢ λ₂ⱼ + δ)
-with M = Q₁ᵀ J Q₂. :class:`RotatedJacobians` computes M once per batch with the rotations
-folded into the sums over positions (x Q₂ before the outer products; Q₁ on the small side
-first), and the variance of any prior precision from it: the prior's grid search reuses one
-batch's M for every point. laplace-torch's own ``functional_variance`` computes the same
-quadratic form from the flat Jacobians, rotating them there and back; the other Hessians
-(diag, full) use it on :func:`lora_jacobians`.
+with M = Q₁ᵀ J Q₂. The weights 1/(λ₁ᵢ λ₂ⱼ + δ) do not factor into a Kronecker product (only
+laplace-torch's damped form (λ₁ᵢ + √δ)(λ₂ⱼ + √δ) would), so the exact form needs M itself.
+:class:`RotatedJacobians` computes M once per batch with the rotations folded into the sums
+over positions (x Q₂ before the outer products; Q₁ on the small side first: d Q₁ for A, and
+for B each class's r × out sums, rotated by one matrix product of the batch's rows), and the
+variance of any prior precision from it: the prior's grid search reuses one batch's M for
+every point. The rotation of B's output side (r · out² per example and class) is the largest
+part of it. laplace-torch's own ``functional_variance`` computes the same quadratic form from
+the flat Jacobians, rotating them there and back; the other Hessians (diag, full) use it on
+:func:`lora_jacobians`.
 """
 
 from __future__ import annotations
@@ -29,16 +37,29 @@ from typing import Any
 import torch
 from torch import nn
 
+# one call's gradients for one class: ∂f_c/∂y (B, N, out) and ∂f_c/∂h (B, N, r)
+Grads = tuple[torch.Tensor, torch.Tensor]
+
 
 @dataclass
 class AdapterCall:
     """One call of an adapter in the forward pass: its input x (B, N, in) and h = A x
-    (B, N, r), in the adapter's dtype, and its output (which the backward passes reach)."""
+    (B, N, r), in the adapter's dtype, and its output y and h as the forward pass computed
+    them (which the backward passes reach)."""
 
     layer: Any  # a MapLoRALinear (its lora_A, lora_B and scaling)
     x: torch.Tensor
     h: torch.Tensor
     out: torch.Tensor
+    inner: torch.Tensor
+
+
+def _leaf(out: torch.Tensor) -> torch.Tensor:
+    """``out`` as a node the backward passes reach: frozen weights make it a leaf, then it
+    starts the graph."""
+    if not out.requires_grad:
+        out.requires_grad_(True)
+    return out
 
 
 class LoRAPasses:
@@ -47,17 +68,22 @@ class LoRAPasses:
 
     def __init__(self, model: nn.Module, layers: Sequence[nn.Module], inputs: Any) -> None:
         self.calls: list[AdapterCall] = []
+        inner: dict[int, torch.Tensor] = {}
+
+        def keep_inner(module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
+            inner[id(module)] = _leaf(out)  # h of the call whose output hook comes next
 
         def keep(layer: Any, args: tuple[Any, ...], out: torch.Tensor) -> None:
-            if not out.requires_grad:  # frozen weights: the output starts the graph
-                out.requires_grad_(True)
             weight = layer.lora_A.weight.detach()
             x = args[0].detach().to(weight.dtype)
             x = x.reshape(x.shape[0], -1, x.shape[-1])
             with torch.autocast(x.device.type, enabled=False):  # h in the weights' dtype
-                self.calls.append(AdapterCall(layer, x, x @ weight.T, out))
+                self.calls.append(AdapterCall(layer, x, x @ weight.T, _leaf(out),
+                                              inner.pop(id(layer.lora_A))))
 
-        hooks = [layer.register_forward_hook(keep) for layer in layers]
+        hooks = [hook for layer in layers
+                 for hook in (layer.lora_A.register_forward_hook(keep_inner),
+                              layer.register_forward_hook(keep))]
         try:
             with torch.enable_grad():
                 self._f = model(inputs)
@@ -66,56 +92,83 @@ class LoRAPasses:
                 hook.remove()
         self.f = self._f.detach()
 
-    def per_class(self) -> Iterator[list[torch.Tensor]]:
-        """For each class c, one backward pass of the whole batch: s · ∂f_c/∂y (B, N, out) at
-        every call's output y, in the adapter's dtype (one class's gradients alive at a time;
-        the graph is freed after the last)."""
-        outputs = [call.out for call in self.calls]
+    def per_class(self) -> Iterator[list[Grads]]:
+        """For each class c, one backward pass of the whole batch: for every call,
+        ∂f_c/∂y (B, N, out) at its output y and ∂f_c/∂h = s Bᵀ ∂f_c/∂y (B, N, r), in the
+        adapter's dtype (one class's gradients alive at a time; the graph is freed after the
+        last)."""
+        outputs = [t for call in self.calls for t in (call.out, call.inner)]
         classes = self.f.shape[-1]
         for c in range(classes):
             onehot = torch.zeros_like(self._f)
             onehot[:, c] = 1
             grads = torch.autograd.grad(self._f, outputs, onehot, retain_graph=c < classes - 1,
                                         allow_unused=True)
-            yield [call.layer.scaling * (torch.zeros_like(call.out) if g is None else g)
-                   .reshape(call.x.shape[0], -1, call.out.shape[-1]).to(call.x.dtype)
-                   for g, call in zip(grads, self.calls, strict=True)]
+            yield [(_shaped(grads[2 * i], call.out, call), _shaped(grads[2 * i + 1], call.inner,
+                                                                 call))
+                   for i, call in enumerate(self.calls)]
 
 
-def _summed(blocks: dict[int, list[list[torch.Tensor]]], key: int,
-            pair: list[torch.Tensor]) -> None:
-    """Append one call's ``pair`` of blocks (one class's) to ``key``'s, in the order of the
-    backward passes, then of the calls."""
-    lists = blocks.setdefault(key, [[], []])
-    for kept, block in zip(lists, pair, strict=True):
-        kept.append(block)
+def _shaped(grad: torch.Tensor | None, like: torch.Tensor, call: AdapterCall) -> torch.Tensor:
+    """A gradient at ``like`` (zero where the output was unused) as (B, N, ·) in the
+    adapter's dtype."""
+    g = torch.zeros_like(like) if grad is None else grad
+    return g.reshape(call.x.shape[0], -1, like.shape[-1]).to(call.x.dtype)
 
 
-def _stacked(blocks: dict[int, list[list[torch.Tensor]]], calls: dict[int, int]
-             ) -> list[torch.Tensor]:
-    """Each key's blocks (B, C, ·), its calls' shares summed, keys in order."""
-    out = []
-    for key in sorted(blocks):
-        for kept in blocks[key]:
-            n = calls[key]  # class c's share of call i is kept[c · n + i]
-            per_call = [torch.stack(kept[i::n], 1) for i in range(n)]
-            out.append(torch.stack(per_call).sum(0) if len(per_call) > 1 else per_call[0])
-    return out
+def _sums(passes: LoRAPasses, layers: Sequence[nn.Module], inputs: list[torch.Tensor],
+          outputs: list[torch.Tensor], rotations: Sequence[tuple[torch.Tensor, torch.Tensor]]
+          | None = None) -> list[torch.Tensor]:
+    """Each called adapter's two blocks (B, C, ·), in the order of ``layers``, A's then B's,
+    summed over its calls: for call i, A's Σ_n d_n inputs[i]_nᵀ (B, C, r · in) and B's Σ_n
+    outputs[i]_n g_nᵀ (B, C, r · out) (``outputs[i]`` (B, r, N)), with d and g rotated by the
+    adapter's ``rotations`` (Q₁ of A (r, r), Q₁ of B (out, out)) if given. B's sums are
+    filled class by class into one buffer (C, B, ·), rotated by one product of the batch's
+    B · r rows; the d of all classes (C · r columns, small) are kept for one product per
+    call."""
+    keys = [layers.index(call.layer) for call in passes.calls]
+    first = {key: keys.index(key) for key in keys}
+    batch, classes = passes.f.shape
+    b_sums = {key: inputs[i].new_empty(classes, batch, outputs[i].shape[1],
+                                       passes.calls[i].out.shape[-1])
+              for key, i in first.items()}
+    kept_d: list[list[torch.Tensor]] = [[] for _ in keys]
+    for c, grads in enumerate(passes.per_class()):
+        kept: dict[int, torch.Tensor] = {}
+        for i, (key, (g, d)) in enumerate(zip(keys, grads, strict=True)):
+            kept_d[i].append(d)
+            b = torch.bmm(outputs[i], g)
+            kept[key] = b if key not in kept else kept[key] + b
+        for key, b in kept.items():
+            rows, out = b.reshape(-1, b.shape[-1]), b_sums[key][c].view(-1, b.shape[-1])
+            if rotations is None:
+                out.copy_(rows)
+            else:
+                torch.mm(rows, rotations[key][1], out=out)
+    a_sums: dict[int, torch.Tensor] = {}
+    for i, (key, ds) in enumerate(zip(keys, kept_d, strict=True)):
+        d = torch.stack(ds, 2)                                                  # (B, N, C, r)
+        if rotations is not None:
+            d = d @ rotations[key][0]
+        a = torch.bmm(d.flatten(2).transpose(1, 2), inputs[i])                 # (B, C · r, in)
+        a_sums[key] = a if key not in a_sums else a_sums[key] + a
+    return [t for key in sorted(first)
+            for t in (a_sums[key].view(batch, classes, -1),
+                      b_sums[key].flatten(2).transpose(0, 1))]
 
 
 def lora_jacobians(passes: LoRAPasses, layers: Sequence[nn.Module]) -> torch.Tensor:
     """J (B, C, P) over every adapter's A and B weights in the order of ``layers`` (A before
     B: laplace-torch's flat layout of their parameters), summed over an adapter's calls."""
-    blocks: dict[int, list[list[torch.Tensor]]] = {}
-    keys = [layers.index(call.layer) for call in passes.calls]
-    for gds in passes.per_class():
-        for key, call, gd in zip(keys, passes.calls, gds, strict=True):
-            # ∂f_c/∂A = Σ_n (Bᵀ gd_n) x_nᵀ (B, r, in); ∂f_c/∂B = Σ_n gd_n h_nᵀ (B, out, r)
-            d_a = torch.bmm((gd @ call.layer.lora_B.weight.detach()).transpose(1, 2), call.x)
-            _summed(blocks, key, [d_a.flatten(1), torch.bmm(gd.transpose(1, 2),
-                                                            call.h).flatten(1)])
-    calls = {key: keys.count(key) for key in keys}
-    return torch.cat(_stacked(blocks, calls), dim=-1)
+    # ∂f_c/∂A = Σ_n d_n x_nᵀ (B, r, in); ∂f_c/∂B = Σ_n g_n (s h_n)ᵀ, summed here as its
+    # transpose (B, r, out)
+    blocks = _sums(passes, layers, [call.x for call in passes.calls],
+                   [(call.layer.scaling * call.h).transpose(1, 2) for call in passes.calls])
+    called = sorted({layers.index(call.layer) for call in passes.calls})
+    for i, key in enumerate(called):
+        r = layers[key].lora_B.weight.shape[1]
+        blocks[2 * i + 1] = blocks[2 * i + 1].unflatten(-1, (r, -1)).transpose(-1, -2).flatten(2)
+    return torch.cat(blocks, dim=-1)
 
 
 def _inverse(values: list[torch.Tensor], delta: torch.Tensor, damping: bool) -> torch.Tensor:
@@ -138,21 +191,14 @@ class RotatedJacobians:
                  precision: Any) -> None:
         vectors = precision.eigenvectors
         keys = [2 * layers.index(call.layer) for call in passes.calls]
-        sides = []
-        for key, call in zip(keys, passes.calls, strict=True):
-            (qa1, qa2), (_, qb2) = vectors[key], vectors[key + 1]
-            # block A: M = Q₁ᵀ (Σ_n Bᵀ gd_n x_nᵀ) Q₂ = Σ_n ((B Q₁)ᵀ gd_n)(Q₂ᵀ x_n)ᵀ; block B:
-            # Mᵀ = Q₂ᵀ (Σ_n h_n gd_nᵀ) Q₁, the r × out side first
-            sides.append((call.layer.lora_B.weight.detach() @ qa1, call.x @ qa2,
-                          (call.h @ qb2).transpose(1, 2), vectors[key + 1][0]))
-        blocks: dict[int, list[list[torch.Tensor]]] = {}
-        for gds in passes.per_class():
-            for key, (bq, xq, hq, qb1), gd in zip(keys, sides, gds, strict=True):
-                m_a = torch.bmm((gd @ bq).transpose(1, 2), xq)                  # (B, r, in)
-                m_bt = torch.bmm(hq, gd) @ qb1                                  # (B, r, out)
-                _summed(blocks, key, [m_a.flatten(1), m_bt.flatten(1)])
-        calls = {key: keys.count(key) for key in keys}
-        self.blocks = _stacked(blocks, calls)
+        calls = list(zip(keys, passes.calls, strict=True))
+        # block A: M = Q₁ᵀ (Σ_n d_n x_nᵀ) Q₂ = Σ_n (Q₁ᵀ d_n)(Q₂ᵀ x_n)ᵀ; block B:
+        # Mᵀ = Q₂ᵀ (Σ_n s h_n g_nᵀ) Q₁ = Σ_n (Q₂ᵀ s h_n)(Q₁ᵀ g_n)ᵀ
+        self.blocks = _sums(
+            passes, layers, [call.x @ vectors[k][1] for k, call in calls],
+            [(call.layer.scaling * call.h @ vectors[k + 1][1]).transpose(1, 2)
+             for k, call in calls],
+            [(vectors[2 * j][0], vectors[2 * j + 1][0]) for j in range(len(layers))])
 
     @staticmethod
     def fits(layers: Sequence[Any], precision: Any) -> bool:
