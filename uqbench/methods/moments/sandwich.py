@@ -4,10 +4,11 @@
 Forward: ΣMᵀ (one product over the batch folded into its rows), M(ΣMᵀ), and the result
 symmetrised, ½(S + Sᵀ), so that it is symmetric to the last bit. Backward, with G the output's
 gradient, Ĝ = ½(G + Gᵀ) (the symmetrisation's) and Σ symmetric:
-    ∂/∂Σ = Mᵀ Ĝ M,    ∂/∂M = Σ_b (Ĝ M Σ + Ĝᵀ M Σᵀ) = 2 Σ_b (MᵀĜ)ᵀ Σ,
+    ∂/∂Σ = Mᵀ Ĝ M,    ∂/∂M = Σ_b (Ĝ M Σᵀ + Ĝᵀ M Σ) = 2 Σ_b (MᵀĜ)ᵀ Σ,
 sharing MᵀĜ: three products (MᵀĜ, (MᵀĜ)M, and (MᵀĜ)ᵀΣ over the folded batch), where autograd
 through the two forward products runs four and sums a (B, out, in) matrix over the batch.
-∂/∂Σ is autograd's to the bit; ∂/∂M is the same sum in another order (float rounding).
+∂/∂Σ takes autograd's two products in its order; ∂/∂M is the same sum in another order
+(float rounding: 4e-8 relative in float32 on the depth-3, width-64 network's gradients).
 """
 
 from __future__ import annotations
