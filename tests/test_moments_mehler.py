@@ -154,3 +154,42 @@ def test_a_deterministic_unit_gives_zeros_not_nans():
     torch.testing.assert_close(out, ref, rtol=1e-8, atol=1e-12)
     out.sum().backward()
     assert torch.isfinite(mean.grad).all() and torch.isfinite(cov.grad).all()
+
+
+def test_float32_series_stops_at_float32s_rounding():
+    """In float32 the count follows the 2⁻²⁴ bound (fewer terms than float64's 1e-9) and the
+    float32 series stays within that bound, plus float32's rounding, of 100 float64 terms."""
+    tol = mehler.tolerance(torch.float32)
+    assert mehler.tolerance(F64) == mehler.TOLERANCE and tol == 2.0 ** -24
+    assert mehler.terms(0.3, tol) < mehler.terms(0.3)
+    t = torch.tensor([[0.0, 0.3, -0.8, 1.7]], dtype=F64)
+    for r in (0.05, 0.1, 0.3, 0.5):
+        rho = torch.full((1, 4, 4), r, dtype=F64)
+        many = mehler.curvature_series(t, rho, n=100)
+        few = mehler.curvature_series(t.float(), rho.float())       # n from float32's bound
+        assert (few.double() - many).abs().max() <= tol + 4 * 2.0 ** -24 * many.abs().max()
+
+
+def test_symmetric_covariance_reads_the_same_pairs():
+    """An exactly symmetric covariance (read whole, diagonal zeroed) against the quadrature
+    pass, which reads the pairs above the diagonal: the same matrix within 1e-8, and the
+    same gradient once split evenly between (i, j) and (j, i), as a symmetric input's is."""
+    gen = torch.Generator().manual_seed(5)
+    b, d = 3, 6
+    root = torch.randn(b, d, d, generator=gen, dtype=F64) / 4
+    cov = root @ root.transpose(1, 2) + torch.eye(d, dtype=F64)
+    cov = 0.5 * (cov + cov.transpose(1, 2))
+    assert torch.equal(cov, cov.transpose(1, 2))
+    mean = torch.randn(b, d, generator=gen, dtype=F64)
+    out_var = torch.rand(b, d, generator=gen, dtype=F64)
+    weights = torch.randn(b, d, d, generator=gen, dtype=F64)
+    results = []
+    for rule in (covariance._full_covariance_series, _quadrature_pass):
+        c = cov.clone().requires_grad_()
+        out = rule(mean, c, out_var, 0.1)
+        (grad,) = torch.autograd.grad((out * weights).sum(), c)
+        results.append((out.detach(), 0.5 * (grad + grad.transpose(1, 2))))
+    (o1, g1), (o2, g2) = results
+    assert torch.equal(o1, o1.transpose(1, 2))
+    assert (o1 - o2).abs().max() <= 1e-8 * o2.abs().max()
+    assert (g1 - g2).abs().max() <= 1e-8 * g2.abs().max()

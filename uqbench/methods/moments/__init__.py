@@ -13,6 +13,7 @@ Weights are w ~ N(μ, σ²) with σ = softplus(ρ).
   ICLR 2019), for the pass that also carries the covariances between units;
 - :mod:`.mehler`: its curvature term by the Mehler series, on a layer's whole covariance matrix
   (the eager pass's form wherever the correlations are moderate);
+- :mod:`.sandwich`: the full-covariance pass's M Σ Mᵀ, with its gradients in three products;
 - :mod:`.compiling`: torch.compile as the passes use it (dynamic sizes, a quiet first call);
 - :mod:`.layers`: the Gaussian linear layer, the activation layer and their chain, each with a
   moment pass, a fused pass, a full-covariance pass and a sampled pass (Monte Carlo inference).

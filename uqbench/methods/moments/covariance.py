@@ -230,8 +230,9 @@ def leaky_relu_full_covariance(mean: torch.Tensor, cov: torch.Tensor, out_var: t
     memory per node, and the gathers around them fused in (several times faster on a CPU core
     in float64; the same numbers as the eager quadrature to rounding); everything else (a
     training step, a small call) runs eagerly on the whole matrix with R by its Mehler series
-    where |ρ| is moderate (:func:`_full_covariance_series`: within 1e-9·σ_aσ_b of R, the
-    quadrature's own error being up to 1e-8).
+    where |ρ| is moderate (:func:`_full_covariance_series`: within 1e-9·σ_aσ_b of R in
+    float64, the quadrature's own error being up to 1e-8; within float32's 2⁻²⁴·σ_aσ_b in
+    float32).
     """
     d = mean.shape[-1]
     i, j = torch.triu_indices(d, d, 1, device=mean.device)
@@ -245,33 +246,50 @@ def leaky_relu_full_covariance(mean: torch.Tensor, cov: torch.Tensor, out_var: t
     return _full_covariance_series(mean, cov, out_var, float(slope))
 
 
+@cache
+def _off_diagonal(d: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The (d, d) matrix of ones with zeros on the diagonal."""
+    return 1 - torch.eye(d, dtype=dtype, device=device)
+
+
 def _full_covariance_series(mean: torch.Tensor, cov: torch.Tensor, out_var: torch.Tensor,
                             slope: float) -> torch.Tensor:
     """:func:`_full_covariance` on the whole (B, d, d) matrix, σ_aσ_b·R by its Mehler series
-    (:func:`~uqbench.methods.moments.mehler.scaled_curvature_series`, within 1e-9·σ_aσ_b of
-    the exact R and its ρ-derivative) wherever |ρ| ≤ :data:`~uqbench.methods.moments.mehler.
-    MAX_RHO`, and by the quadrature (:func:`relu_curvature`) at the pairs beyond, gathered;
-    the diagonal is ``out_var``. As there, c is read above the diagonal only (mirrored
-    below), so the matrix is exactly symmetric; every pair is computed at (i, j) and at
-    (j, i), and nothing is gathered where every |ρ| is moderate. ρ = c·(1/σ_a)(1/σ_b) (1/σ
-    capped so that the product stays finite; c is 0 where σ is) is clamped to [−1, 1] only
-    where the quadrature reads it (the series' |ρ| are under 1)."""
+    (:func:`~uqbench.methods.moments.mehler.scaled_curvature_series`, within
+    :func:`~uqbench.methods.moments.mehler.tolerance`·σ_aσ_b of the exact R and its
+    ρ-derivative: 1e-9 in float64, 2⁻²⁴ in float32) wherever |ρ| ≤
+    :data:`~uqbench.methods.moments.mehler.MAX_RHO`, and by the quadrature
+    (:func:`relu_curvature`) at the pairs beyond, gathered; the diagonal is ``out_var``. As
+    there, c is read above the diagonal only (mirrored below), so the matrix is exactly
+    symmetric (a covariance already exactly symmetric, as the layers pass on, is read whole
+    with its diagonal zeroed: the same c, the gradient split between (i, j) and (j, i));
+    every pair is computed at (i, j) and at (j, i), and nothing is gathered where every |ρ|
+    is moderate. ρ = c·(1/σ_a)(1/σ_b) (1/σ capped so that the product stays finite; c is 0
+    where σ is) is clamped to [−1, 1] only where the quadrature reads it (the series' |ρ|
+    are under 1)."""
     var = cov.diagonal(dim1=-2, dim2=-1)
     s, t = _standardise(mean, var)
     slopes = slope + (1 - slope) * _cdf(t)
     # 1/σ at most √(dtype max), so that 1/(σ_aσ_b) stays finite (c = 0 where σ is tiny)
     inv = s.reciprocal().clamp_max(math.sqrt(torch.finfo(s.dtype).max))
-    upper = cov.triu(1)
-    pairs = upper + upper.transpose(-1, -2)         # c above the diagonal, mirrored; 0 on it
+    if torch.equal(cov, cov.transpose(-1, -2)):
+        # the layers' covariances are symmetric to the last bit: the diagonal zeroed is c
+        # mirrored, in one pass (and one in the backward pass) for triu's and a transposed
+        # sum's several
+        pairs = cov * _off_diagonal(cov.shape[-1], cov.dtype, cov.device)
+    else:
+        upper = cov.triu(1)
+        pairs = upper + upper.transpose(-1, -2)     # c above the diagonal, mirrored; 0 on it
     rho = pairs * (inv.unsqueeze(-1) * inv.unsqueeze(-2))                 # symmetric, exactly
     low, high = torch.aminmax(rho.detach())
     r = max(-float(low), float(high))
+    tol = mehler.tolerance(rho.dtype)
     if r <= mehler.MAX_RHO:
-        curv = mehler.scaled_curvature_series(t, s, rho, mehler.terms(r), symmetric=True)
+        curv = mehler.scaled_curvature_series(t, s, rho, mehler.terms(r, tol), symmetric=True)
     else:
         far = rho.detach().abs() > mehler.MAX_RHO
         b, i, j = far.nonzero(as_tuple=True)
-        curv = mehler.scaled_curvature_series(t, s, rho * ~far, mehler.terms(mehler.MAX_RHO),
+        curv = mehler.scaled_curvature_series(t, s, rho * ~far, mehler.terms(mehler.MAX_RHO, tol),
                                               symmetric=True)
         curv = curv.index_put((b, i, j), s[b, i] * s[b, j] * relu_curvature(
             t[b, i], t[b, j], rho[b, i, j].clamp(-1.0, 1.0)))

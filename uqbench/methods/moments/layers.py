@@ -21,6 +21,7 @@ from torch import nn
 from uqbench.methods.moments.activations import leaky_relu_moments
 from uqbench.methods.moments.covariance import leaky_relu_full_covariance
 from uqbench.methods.moments.fused import leaky_relu_moments_fused
+from uqbench.methods.moments.sandwich import sandwich
 
 # mean (B, d); variance (B, d) or None (deterministic); covariance (B, d, d) or None (independent)
 FullMoments = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
@@ -201,12 +202,15 @@ class GaussianLinear(_GaussianParams):
             if not full_out:
                 return out_mean, F.linear(var, w * w) + extra, None
             spread = (w * var.unsqueeze(1)) @ w.T                           # M diag(v) Mᵀ
-        else:
+            spread = 0.5 * (spread + spread.transpose(-1, -2))  # symmetric to rounding
+        elif not full_out:
             cw = cov @ w.T                                                  # Σ Mᵀ: (B, in, out)
-            if not full_out:
-                return out_mean, (cw * w.T).sum(-2) + extra, None
-            spread = w @ cw                                                 # M Σ Mᵀ
-        spread = 0.5 * (spread + spread.transpose(-1, -2))  # symmetric to rounding
+            return out_mean, (cw * w.T).sum(-2) + extra, None
+        elif torch.equal(cov, cov.transpose(-1, -2)):   # every layer's: exactly symmetric
+            spread = sandwich(cov, w)     # M Σ Mᵀ, symmetrised; its backward in 3 products
+        else:
+            spread = w @ (cov @ w.T)                                        # M Σ Mᵀ
+            spread = 0.5 * (spread + spread.transpose(-1, -2))  # symmetric to rounding
         out_var = spread.diagonal(dim1=-2, dim2=-1) + extra
         spread.diagonal(dim1=-2, dim2=-1).add_(extra)       # + diag(extra), in place
         return out_mean, out_var, spread

@@ -11,7 +11,9 @@ with the Hermite functions ψₙ from ψ₀ = φ, ψ₁ = hφ and ψₙ₊₁ = 
 (d(φHeₙ)/dh = −φHeₙ₊₁). Cramér's inequality, |ψₙ| ≤ K e^(−h²/4)/√(2π) with K ≈ 1.0865, bounds
 the terms left out after N of them by 0.188·rᴺ⁺¹/((N + 1)(1 − r)) for ∂R/∂ρ (r = |ρ|, in units
 of σ_aσ_b; R's own remainder is smaller), so N is chosen per call from the largest r:
-:data:`TOLERANCE`, tighter than the quadrature's 1e-8. Each term costs two passes over a
+:data:`TOLERANCE`, tighter than the quadrature's 1e-8, in float64; in float32,
+:data:`TOLERANCE_FLOAT32` = 2⁻²⁴, the dtype's own rounding of σ_aσ_b (13 terms at r = 0.3 in
+float64, 10 in float32). Each term costs two passes over a
 (B, d, d) matrix (a product and a rank-one update: Horner's rule in ρ), no exponential, against
 the quadrature's 24 exponentials and ~8 passes per node over the pairs: no pair is gathered,
 and the pass works on the layer's whole covariance matrix.
@@ -25,17 +27,24 @@ from typing import Any
 import torch
 
 TOLERANCE = 1e-9  # the truncation bound on R and on ∂R/∂ρ, in units of σ_aσ_b
+TOLERANCE_FLOAT32 = 2.0 ** -24  # the same in float32 (and narrower dtypes): its rounding
 MAX_RHO = 0.5     # |ρ| up to which the series is used (at 0.5: 27 terms; beyond: the quadrature)
 _CRAMER = 1.0864348 ** 2 / (2 * math.pi)  # K²/(2π): |ψₙ(h)ψₙ(k)| ≤ this
 
 
-def terms(r: float) -> int:
+def tolerance(dtype: torch.dtype) -> float:
+    """The truncation bound for a pass in ``dtype``: :data:`TOLERANCE` in float64, else
+    :data:`TOLERANCE_FLOAT32` (a smaller remainder would be lost to float32's rounding)."""
+    return TOLERANCE if dtype == torch.float64 else TOLERANCE_FLOAT32
+
+
+def terms(r: float, tol: float = TOLERANCE) -> int:
     """The number of terms N whose remainder bound 0.188·rᴺ⁺¹/((N + 1)(1 − r)) (∂R/∂ρ's, the
-    largest) is at most :data:`TOLERANCE`; r < 1."""
+    largest) is at most ``tol`` (:func:`tolerance` of the pass's dtype); r < 1."""
     if r <= 0:
         return 0
     n = 0
-    while _CRAMER * r ** (n + 1) / ((n + 1) * (1 - r)) > TOLERANCE:
+    while _CRAMER * r ** (n + 1) / ((n + 1) * (1 - r)) > tol:
         n += 1
     return n
 
@@ -111,10 +120,12 @@ def scaled_curvature_series(t: torch.Tensor, s: torch.Tensor, rho: torch.Tensor,
                             n: int | None = None, symmetric: bool = False) -> torch.Tensor:
     """σᵢσⱼ·R(tᵢ, tⱼ, ρᵢⱼ) (B, d, d) for standardised means t (B, d), standard deviations
     σ (B, d) and correlations ρ (B, d, d), |ρ| < 1, by ``n`` terms of the series (None:
-    :func:`terms` of the largest |ρ|). ``symmetric``: the caller's promise that ρ equals its
-    transpose (the backward pass then needs one sum fewer)."""
+    :func:`terms` of the largest |ρ| at :func:`tolerance` of ρ's dtype). ``symmetric``: the
+    caller's promise that ρ equals its transpose (the backward pass then needs one sum
+    fewer)."""
     if n is None:
-        n = terms(float(rho.detach().abs().max())) if rho.numel() else 0
+        n = (terms(float(rho.detach().abs().max()), tolerance(rho.dtype)) if rho.numel()
+             else 0)
     return _Series.apply(t, s, rho, n, symmetric)
 
 
