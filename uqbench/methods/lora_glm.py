@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -82,7 +82,7 @@ class LoRAPasses:
                                               inner.pop(id(layer.lora_A))))
 
         hooks = [hook for layer in layers
-                 for hook in (layer.lora_A.register_forward_hook(keep_inner),
+                 for hook in (cast(Any, layer).lora_A.register_forward_hook(keep_inner),
                               layer.register_forward_hook(keep))]
         try:
             with torch.enable_grad():
@@ -166,7 +166,7 @@ def lora_jacobians(passes: LoRAPasses, layers: Sequence[nn.Module]) -> torch.Ten
                    [(call.layer.scaling * call.h).transpose(1, 2) for call in passes.calls])
     called = sorted({layers.index(call.layer) for call in passes.calls})
     for i, key in enumerate(called):
-        r = layers[key].lora_B.weight.shape[1]
+        r = cast(Any, layers[key]).lora_B.weight.shape[1]
         blocks[2 * i + 1] = blocks[2 * i + 1].unflatten(-1, (r, -1)).transpose(-1, -2).flatten(2)
     return torch.cat(blocks, dim=-1)
 
