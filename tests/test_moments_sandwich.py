@@ -1,11 +1,12 @@
-"""The full-covariance pass's M Σ Mᵀ with its three-product backward: values and gradients
-against autograd through the plain products, and against central differences."""
+"""The full-covariance pass's M Σ Mᵀ with its three-product backward, and M diag(v) Mᵀ with its
+one-product backward: values and gradients against autograd through the plain products, and
+against central differences."""
 
 from __future__ import annotations
 
 import torch
 
-from uqbench.methods.moments.sandwich import sandwich
+from uqbench.methods.moments.sandwich import diagonal_sandwich, sandwich
 
 F64 = torch.float64
 
@@ -36,3 +37,32 @@ def test_sandwich_matches_autograd_through_the_products():
 def test_sandwich_gradients_pass_gradcheck():
     cov, w = _inputs(2, 4, 3)
     assert torch.autograd.gradcheck(sandwich, (cov.requires_grad_(), w.requires_grad_()))
+
+
+def _plain_diagonal(var: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    spread = w @ torch.diag_embed(var) @ w.T
+    return 0.5 * (spread + spread.transpose(1, 2))
+
+
+def test_diagonal_sandwich_matches_autograd_through_the_products():
+    gen = torch.Generator().manual_seed(3)
+    var = torch.rand(4, 5, generator=gen, dtype=F64)
+    w = torch.randn(3, 5, generator=gen, dtype=F64)
+    weights = torch.randn(4, 3, 3, generator=gen, dtype=F64)
+    results = []
+    for rule in (diagonal_sandwich, _plain_diagonal):
+        v, m = var.clone().requires_grad_(), w.clone().requires_grad_()
+        out = rule(v, m)
+        results.append((out.detach(), *torch.autograd.grad((out * weights).sum(), (v, m))))
+    (o1, v1, m1), (o2, v2, m2) = results
+    assert torch.equal(o1, o1.transpose(1, 2))
+    torch.testing.assert_close(o1, o2, rtol=1e-13, atol=1e-15)
+    torch.testing.assert_close(v1, v2, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(m1, m2, rtol=1e-12, atol=1e-12)
+
+
+def test_diagonal_sandwich_gradients_pass_gradcheck():
+    gen = torch.Generator().manual_seed(4)
+    var = torch.rand(2, 4, generator=gen, dtype=F64).requires_grad_()
+    w = torch.randn(3, 4, generator=gen, dtype=F64).requires_grad_()
+    assert torch.autograd.gradcheck(diagonal_sandwich, (var, w))

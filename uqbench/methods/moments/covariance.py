@@ -39,7 +39,7 @@ from functools import cache
 import numpy as np
 import torch
 
-from uqbench.methods.moments import mehler
+from uqbench.methods.moments import mehler, pair_terms
 from uqbench.methods.moments.activations import _T_MAX
 from uqbench.methods.moments.compiling import compile_dynamic
 
@@ -218,7 +218,7 @@ SERIES = True  # eager calls: R by the Mehler series where |ρ| is moderate (Fal
 
 
 def leaky_relu_full_covariance(mean: torch.Tensor, cov: torch.Tensor, out_var: torch.Tensor,
-                               slope: float = 0.0) -> torch.Tensor:
+                               slope: float = 0.0, symmetric: bool = False) -> torch.Tensor:
     """The (B, d, d) covariance of leaky_relu(z, slope) for z ~ N(mean (B, d), cov (B, d, d)).
 
     Each of the d(d − 1)/2 pairs above the diagonal by :func:`leaky_relu_covariance`, mirrored
@@ -243,56 +243,45 @@ def leaky_relu_full_covariance(mean: torch.Tensor, cov: torch.Tensor, out_var: t
         return _compiled_full_covariance()(mean, cov, out_var, i, j, float(slope))
     if torch.compiler.is_compiling() or not SERIES:
         return _full_covariance(mean, cov, out_var, i, j, float(slope))
-    return _full_covariance_series(mean, cov, out_var, float(slope))
-
-
-@cache
-def _off_diagonal(d: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The (d, d) matrix of ones with zeros on the diagonal."""
-    return 1 - torch.eye(d, dtype=dtype, device=device)
+    return _full_covariance_series(mean, cov, out_var, float(slope), symmetric)
 
 
 def _full_covariance_series(mean: torch.Tensor, cov: torch.Tensor, out_var: torch.Tensor,
-                            slope: float) -> torch.Tensor:
+                            slope: float, symmetric: bool = False) -> torch.Tensor:
     """:func:`_full_covariance` on the whole (B, d, d) matrix, σ_aσ_b·R by its Mehler series
-    (:func:`~uqbench.methods.moments.mehler.scaled_curvature_series`, within
-    :func:`~uqbench.methods.moments.mehler.tolerance`·σ_aσ_b of the exact R and its
+    (within :func:`~uqbench.methods.moments.mehler.tolerance`·σ_aσ_b of the exact R and its
     ρ-derivative: 1e-9 in float64, 2⁻²⁴ in float32) wherever |ρ| ≤
     :data:`~uqbench.methods.moments.mehler.MAX_RHO`, and by the quadrature
     (:func:`relu_curvature`) at the pairs beyond, gathered; the diagonal is ``out_var``. As
     there, c is read above the diagonal only (mirrored below), so the matrix is exactly
-    symmetric (a covariance already exactly symmetric, as the layers pass on, is read whole
-    with its diagonal zeroed: the same c, the gradient split between (i, j) and (j, i));
-    every pair is computed at (i, j) and at (j, i), and nothing is gathered where every |ρ|
-    is moderate. ρ = c·(1/σ_a)(1/σ_b) (1/σ capped so that the product stays finite; c is 0
-    where σ is) is clamped to [−1, 1] only where the quadrature reads it (the series' |ρ|
-    are under 1)."""
+    symmetric; a covariance already exactly symmetric (``symmetric``: the caller's promise,
+    as the layers' outputs are; else checked) is read whole with its diagonal zeroed, the
+    gradient split between (i, j) and (j, i). Where every |ρ| is moderate the pair terms are
+    one autograd node (:func:`~uqbench.methods.moments.pair_terms.pair_terms`). ρ = c·(1/σ_a)(1/σ_b)
+    (1/σ capped so that the product stays finite; c is 0 where σ is) is clamped to [−1, 1]
+    only where the quadrature reads it (the series' |ρ| are under 1)."""
     var = cov.diagonal(dim1=-2, dim2=-1)
     s, t = _standardise(mean, var)
     slopes = slope + (1 - slope) * _cdf(t)
     # 1/σ at most √(dtype max), so that 1/(σ_aσ_b) stays finite (c = 0 where σ is tiny)
     inv = s.reciprocal().clamp_max(math.sqrt(torch.finfo(s.dtype).max))
-    if torch.equal(cov, cov.transpose(-1, -2)):
-        # the layers' covariances are symmetric to the last bit: the diagonal zeroed is c
-        # mirrored, in one pass (and one in the backward pass) for triu's and a transposed
-        # sum's several
-        pairs = cov * _off_diagonal(cov.shape[-1], cov.dtype, cov.device)
-    else:
+    if not (symmetric or torch.equal(cov, cov.transpose(-1, -2))):
         upper = cov.triu(1)
-        pairs = upper + upper.transpose(-1, -2)     # c above the diagonal, mirrored; 0 on it
-    rho = pairs * (inv.unsqueeze(-1) * inv.unsqueeze(-2))                 # symmetric, exactly
-    low, high = torch.aminmax(rho.detach())
-    r = max(-float(low), float(high))
-    tol = mehler.tolerance(rho.dtype)
+        cov = upper + upper.transpose(-1, -2)       # c above the diagonal, mirrored; 0 on it
+    off = pair_terms.off_diagonal(cov.shape[-1], cov.dtype, cov.device)
+    rho, largest = pair_terms.correlations(cov, inv, off)
+    r, tol = float(largest), mehler.tolerance(cov.dtype)
     if r <= mehler.MAX_RHO:
-        curv = mehler.scaled_curvature_series(t, s, rho, mehler.terms(r, tol), symmetric=True)
-    else:
-        far = rho.detach().abs() > mehler.MAX_RHO
-        b, i, j = far.nonzero(as_tuple=True)
-        curv = mehler.scaled_curvature_series(t, s, rho * ~far, mehler.terms(mehler.MAX_RHO, tol),
-                                              symmetric=True)
-        curv = curv.index_put((b, i, j), s[b, i] * s[b, j] * relu_curvature(
-            t[b, i], t[b, j], rho[b, i, j].clamp(-1.0, 1.0)))
+        return pair_terms.pair_terms(cov, inv, slopes, out_var, t, s, rho, mehler.terms(r, tol),
+                                     (1 - slope) ** 2)
+    pairs = cov * off
+    rho = pairs * (inv.unsqueeze(-1) * inv.unsqueeze(-2))                 # symmetric, exactly
+    far = rho.detach().abs() > mehler.MAX_RHO
+    b, i, j = far.nonzero(as_tuple=True)
+    curv = mehler.scaled_curvature_series(t, s, rho * ~far, mehler.terms(mehler.MAX_RHO, tol),
+                                          symmetric=True)
+    curv = curv.index_put((b, i, j), s[b, i] * s[b, j] * relu_curvature(
+        t[b, i], t[b, j], rho[b, i, j].clamp(-1.0, 1.0)))
     full = torch.add(pairs * (slopes.unsqueeze(-1) * slopes.unsqueeze(-2)), curv,
                      alpha=(1 - slope) ** 2)
     full.diagonal(dim1=-2, dim2=-1).copy_(out_var)

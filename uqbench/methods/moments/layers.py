@@ -21,7 +21,7 @@ from torch import nn
 from uqbench.methods.moments.activations import leaky_relu_moments
 from uqbench.methods.moments.covariance import leaky_relu_full_covariance
 from uqbench.methods.moments.fused import leaky_relu_moments_fused
-from uqbench.methods.moments.sandwich import sandwich
+from uqbench.methods.moments.sandwich import diagonal_sandwich, sandwich
 
 # mean (B, d); variance (B, d) or None (deterministic); covariance (B, d, d) or None (independent)
 FullMoments = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
@@ -48,11 +48,13 @@ class MomentModule(nn.Module):
 
     def forward_full(self, mean: torch.Tensor, var: torch.Tensor | None,
                      cov: torch.Tensor | None, full_out: bool = True,
-                     fused: bool = True) -> FullMoments:
+                     fused: bool = True, symmetric: bool = False) -> FullMoments:
         """Moments with the covariance between units: mean (B, d), var (B, d) or None (a
         deterministic input), cov (B, d, d) or None (independent units) → the same for the
         output; ``full_out`` false leaves the output covariance out (None), ``fused`` picks the
-        univariate rule's form. A layer without a covariance rule refuses by name."""
+        univariate rule's form; ``symmetric``: the caller's promise that cov equals its
+        transpose to the last bit (as every layer's output covariance does; else checked where
+        it matters). A layer without a covariance rule refuses by name."""
         raise ValueError(f"{type(self).__name__} has no full-covariance rule; the layers with "
                          f"one: {FULL_RULES}")
 
@@ -184,7 +186,7 @@ class GaussianLinear(_GaussianParams):
 
     def forward_full(self, mean: torch.Tensor, var: torch.Tensor | None,
                      cov: torch.Tensor | None, full_out: bool = True,
-                     fused: bool = True) -> FullMoments:
+                     fused: bool = True, symmetric: bool = False) -> FullMoments:
         """(B, in) → (B, out) with covariances (Wu et al. 2019, eq. 3). y = Wx + b, with every
         W_ik ~ N(M_ik, V_ik) and b_i ~ N(b̄_i, v_i) independent and independent of x, whose
         mean is m and covariance Σ; E[W_ik W_jl] = M_ik M_jl + δ_ij δ_kl V_ik gives
@@ -201,12 +203,11 @@ class GaussianLinear(_GaussianParams):
         if cov is None:
             if not full_out:
                 return out_mean, F.linear(var, w * w) + extra, None
-            spread = (w * var.unsqueeze(1)) @ w.T                           # M diag(v) Mᵀ
-            spread = 0.5 * (spread + spread.transpose(-1, -2))  # symmetric to rounding
+            spread = diagonal_sandwich(var, w)      # M diag(v) Mᵀ, symmetrised; 1 product back
         elif not full_out:
             cw = cov @ w.T                                                  # Σ Mᵀ: (B, in, out)
             return out_mean, (cw * w.T).sum(-2) + extra, None
-        elif torch.equal(cov, cov.transpose(-1, -2)):   # every layer's: exactly symmetric
+        elif symmetric or torch.equal(cov, cov.transpose(-1, -2)):  # every layer's output
             spread = sandwich(cov, w)     # M Σ Mᵀ, symmetrised; its backward in 3 products
         else:
             spread = w @ (cov @ w.T)                                        # M Σ Mᵀ
@@ -257,7 +258,7 @@ class MomentLeakyReLU(MomentModule):
 
     def forward_full(self, mean: torch.Tensor, var: torch.Tensor | None,
                      cov: torch.Tensor | None, full_out: bool = True,
-                     fused: bool = True) -> FullMoments:
+                     fused: bool = True, symmetric: bool = False) -> FullMoments:
         """Means and variances by the univariate rule (fused or reference: equal to rounding),
         covariances by :func:`~uqbench.methods.moments.covariance.leaky_relu_full_covariance`;
         independent inputs (cov None) give independent outputs."""
@@ -265,7 +266,8 @@ class MomentLeakyReLU(MomentModule):
         out_mean, out_var = rule(mean, torch.zeros_like(mean) if var is None else var, self.slope)
         if cov is None or not full_out:
             return out_mean, out_var, None
-        return out_mean, out_var, leaky_relu_full_covariance(mean, cov, out_var, self.slope)
+        return out_mean, out_var, leaky_relu_full_covariance(mean, cov, out_var, self.slope,
+                                                             symmetric)
 
     def forward_sampled(self, x: torch.Tensor) -> torch.Tensor:
         return F.leaky_relu(x, self.slope)
@@ -316,12 +318,14 @@ class MomentSequential(MomentModule):
 
     def forward_full(self, mean: torch.Tensor, var: torch.Tensor | None = None,
                      cov: torch.Tensor | None = None, full_out: bool = False,
-                     fused: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                     fused: bool = True, symmetric: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Every layer's ``forward_full``; ``full_out`` applies to the last layer only (the
         network's output needs its variances alone), the layers before it pass their full
         covariance on. Returns the output's mean, variance (zeros for a deterministic network)
         and covariance (None unless ``full_out``): :func:`full_pass` over every layer."""
-        return full_pass(list(self), (mean, var, cov), full_out=full_out, fused=fused)
+        return full_pass(list(self), (mean, var, cov), full_out=full_out, fused=fused,
+                         symmetric=symmetric)
 
     def forward_sampled(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self:
@@ -333,14 +337,18 @@ class MomentSequential(MomentModule):
 
 
 def full_pass(layers: Sequence[MomentModule], moments: FullMoments, full_out: bool = False,
-              fused: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+              fused: bool = True, symmetric: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``layers``' ``forward_full`` in turn from ``moments`` (a network's or a part's): every
     layer but the last passes its full covariance on, the last only when ``full_out`` (an
     output needs its variances alone). Returns the mean, the variance (zeros for a
-    deterministic input all through) and the covariance (None unless ``full_out``)."""
+    deterministic input all through) and the covariance (None unless ``full_out``). Every
+    layer's output covariance is exactly symmetric, so each layer after the first is told so;
+    ``symmetric``: the caller's promise for ``moments``' own covariance (else checked where
+    it matters)."""
     mean, var, cov = moments
     for n, layer in enumerate(layers):
         mean, var, cov = layer.forward_full(mean, var, cov,
                                             full_out=full_out or n < len(layers) - 1,
-                                            fused=fused)
+                                            fused=fused, symmetric=symmetric or n > 0)
     return mean, torch.zeros_like(mean) if var is None else var, cov

@@ -59,7 +59,7 @@ def hermite_functions(t: torch.Tensor, n: int) -> list[torch.Tensor]:
     return psi[:n]
 
 
-def _horner(rows: list[torch.Tensor], cols: list[torch.Tensor], rho: torch.Tensor
+def horner(rows: list[torch.Tensor], cols: list[torch.Tensor], rho: torch.Tensor
             ) -> torch.Tensor:
     """Σₖ rowsₖ ⊗ colsₖ · ρᵏ (rows, cols: (B, d) each; ρ: (B, d, d)) by Horner's rule."""
     acc = rows[-1].unsqueeze(-1) * cols[-1].unsqueeze(-2)
@@ -83,7 +83,7 @@ class _Series(torch.autograd.Function):
             # matrix to the last bit
             root = [p * s * (1 / math.sqrt((k + 1) * (k + 2)))
                     for k, p in enumerate(hermite_functions(t, n))]
-            out = _horner(root, root, rho).mul_(rho).mul_(rho)
+            out = horner(root, root, rho).mul_(rho).mul_(rho)
         ctx.save_for_backward(t, s, rho, out)
         ctx.n, ctx.symmetric = n, symmetric
         return out
@@ -97,7 +97,7 @@ class _Series(torch.autograd.Function):
             return torch.zeros_like(t), torch.zeros_like(s), torch.zeros_like(rho), None, None
         psi = [p * s for p in hermite_functions(t, n + 1)]
         # ∂/∂ρ: σσ·ρ Σₖ ψₖ⊗ψₖ ρᵏ/(k + 1)
-        d_rho = _horner([p * (1 / (k + 1)) for k, p in enumerate(psi[:n])], psi[:n], rho)
+        d_rho = horner([p * (1 / (k + 1)) for k, p in enumerate(psi[:n])], psi[:n], rho)
         d_rho.mul_(rho).mul_(grad)
         # ∂/∂σᵤ: each entry of row u and of column u over σᵤ
         weighted = grad * out
@@ -108,10 +108,10 @@ class _Series(torch.autograd.Function):
         rho_t = rho.transpose(-1, -2)
         if ctx.symmetric:
             both = grad + grad.transpose(-1, -2)
-            d_t = -(_horner(a, psi[:n], rho).mul_(rho).mul_(rho).mul_(both)).sum(-1)
+            d_t = -(horner(a, psi[:n], rho).mul_(rho).mul_(rho).mul_(both)).sum(-1)
         else:
-            d_t = -((_horner(a, psi[:n], rho).mul_(rho).mul_(rho).mul_(grad)).sum(-1)
-                    + (_horner(a, psi[:n], rho_t).mul_(rho_t).mul_(rho_t)
+            d_t = -((horner(a, psi[:n], rho).mul_(rho).mul_(rho).mul_(grad)).sum(-1)
+                    + (horner(a, psi[:n], rho_t).mul_(rho_t).mul_(rho_t)
                        .mul_(grad.transpose(-1, -2))).sum(-1))
         return d_t, d_s, d_rho, None, None
 

@@ -1,5 +1,6 @@
 """The full-covariance pass's linear step, M Σ Mᵀ for a batch of symmetric covariances Σ
-(B, in, in) and one mean weight matrix M (out, in), with its gradients in three products.
+(B, in, in) and one mean weight matrix M (out, in), with its gradients in three products (one
+where Σ is diagonal: :func:`diagonal_sandwich`).
 
 Forward: ΣMᵀ (one product over the batch folded into its rows), M(ΣMᵀ), and the result
 symmetrised, ½(S + Sᵀ), so that it is symmetric to the last bit. Backward, with G the output's
@@ -37,6 +38,31 @@ class _Sandwich(torch.autograd.Function):
             b, n_in, n_out = left.shape
             d_w = 2 * (left.reshape(b * n_in, n_out).T @ cov.reshape(b * n_in, n_in))
         return d_cov, d_w
+
+
+class _DiagonalSandwich(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, var: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        spread = (w * var.unsqueeze(1)) @ w.T                              # M diag(v) Mᵀ
+        ctx.save_for_backward(var, w)
+        return 0.5 * (spread + spread.transpose(-1, -2))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        var, w = ctx.saved_tensors
+        half = 0.5 * grad
+        gm = (half + half.transpose(-1, -2)) @ w                            # ĜM: (B, out, in)
+        d_var = (gm * w).sum(-2) if ctx.needs_input_grad[0] else None
+        d_w = (gm * var.unsqueeze(1)).sum(0).mul_(2) if ctx.needs_input_grad[1] else None
+        return d_var, d_w
+
+
+def diagonal_sandwich(var: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """:func:`sandwich` for Σ = diag(``var``) (var: (B, in)): ½(S + Sᵀ), S = M diag(v) Mᵀ, with
+    its gradients by one product, ĜM (module docstring's Ĝ): ∂/∂vₖ = Σᵢ Mᵢₖ(ĜM)ᵢₖ and
+    ∂/∂M = 2 Σ_b (ĜM)_b diag(v_b), where autograd through the product and the scaling runs two
+    products and two batch reductions of (B, out, in) matrices."""
+    return _DiagonalSandwich.apply(var, w)
 
 
 def sandwich(cov: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
