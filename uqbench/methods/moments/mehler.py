@@ -1,6 +1,7 @@
 r"""The curvature term of the full-covariance pass by its Mehler series, for the pairs of a layer
-whose correlation is moderate (all of them in the depth-3, width-64 networks measured, trained
-and at initialisation: |ρ| stays under 0.3).
+whose correlation is moderate (all of them in the depth-3, width-64 networks measured: |ρ| under
+0.3 at their evaluation inputs, trained and at initialisation; a training batch's largest |ρ|
+under 0.5, mostly under 0.35).
 
 Mehler's formula, φ₂(h, k; τ) = φ(h)φ(k) Σₙ Heₙ(h)Heₙ(k) τⁿ/n!, integrated against (ρ − τ) over
 [0, ρ] (∫₀^ρ (ρ − τ)τⁿ dτ = ρⁿ⁺²/((n + 1)(n + 2))), gives
