@@ -410,8 +410,10 @@ def training_step(device: torch.device, repeats: int, quick: bool = False) -> li
 
 @contextlib.contextmanager
 def _eager_full_covariance(series: bool = False) -> Iterator[None]:
-    """The full-covariance activations run eagerly inside, whatever a call's size: by the
-    quadrature, or (``series``) by the Mehler series, as a training step does."""
+    """Inside, the full-covariance activations leave the compiled quadrature, whatever a
+    call's size: the quadrature runs eagerly, or (``series``) the Mehler series runs as a
+    training step runs it (its pair terms compiled where the matrix is large and
+    :data:`~uqbench.methods.moments.pair_terms.COMPILED_TERMS` terms suffice)."""
     saved = covariance.COMPILE_PAIRS, covariance.SERIES
     covariance.COMPILE_PAIRS, covariance.SERIES = 2**62, series
     try:
@@ -456,8 +458,8 @@ def full_covariance(device: torch.device, quick: bool = False) -> list[Record]:
                section=SECTION_FULL, note=f"compiled pass {_ms(t['compiled'])}"),
         Record(f"full pass / diagonal pass, {label}, Mehler series (a training step's form)",
                t["series"] / t["diagonal"], "×", dev, section=SECTION_FULL,
-               note=f"eager, the curvature term by its series where |ρ| ≤ "
-                    f"{mehler.MAX_RHO:g} (the quadrature beyond); {note}")]
+               note=f"the curvature term by its series where |ρ| ≤ {mehler.MAX_RHO:g} (the "
+                    f"quadrature beyond), as a training step runs it; {note}")]
 
 
 SECTION_TRAINING = "Full covariance: a P2 training run (one thread)"

@@ -25,6 +25,7 @@ from uqbench.methods.moments.sandwich import diagonal_sandwich, sandwich
 
 # mean (B, d); variance (B, d) or None (deterministic); covariance (B, d, d) or None (independent)
 FullMoments = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+PassMoments = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # a pass's: var not None
 FULL_RULES = "GaussianLinear, MomentLeakyReLU (relu, leaky_relu)"
 
 
@@ -52,9 +53,8 @@ class MomentModule(nn.Module):
         """Moments with the covariance between units: mean (B, d), var (B, d) or None (a
         deterministic input), cov (B, d, d) or None (independent units) → the same for the
         output; ``full_out`` false leaves the output covariance out (None), ``fused`` picks the
-        univariate rule's form; ``symmetric``: the caller's promise that cov equals its
-        transpose to the last bit (as every layer's output covariance does; else checked where
-        it matters). A layer without a covariance rule refuses by name."""
+        univariate rule's form; ``symmetric``: the caller's promise that cov is exactly
+        symmetric, as every layer's output is. A layer without a rule refuses by name."""
         raise ValueError(f"{type(self).__name__} has no full-covariance rule; the layers with "
                          f"one: {FULL_RULES}")
 
@@ -266,8 +266,8 @@ class MomentLeakyReLU(MomentModule):
         out_mean, out_var = rule(mean, torch.zeros_like(mean) if var is None else var, self.slope)
         if cov is None or not full_out:
             return out_mean, out_var, None
-        return out_mean, out_var, leaky_relu_full_covariance(mean, cov, out_var, self.slope,
-                                                             symmetric)
+        full = leaky_relu_full_covariance(mean, cov, out_var, self.slope, symmetric)
+        return out_mean, out_var, full
 
     def forward_sampled(self, x: torch.Tensor) -> torch.Tensor:
         return F.leaky_relu(x, self.slope)
@@ -318,12 +318,10 @@ class MomentSequential(MomentModule):
 
     def forward_full(self, mean: torch.Tensor, var: torch.Tensor | None = None,
                      cov: torch.Tensor | None = None, full_out: bool = False,
-                     fused: bool = True, symmetric: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Every layer's ``forward_full``; ``full_out`` applies to the last layer only (the
+                     fused: bool = True, symmetric: bool = False) -> PassMoments:
+        """:func:`full_pass` over every layer: ``full_out`` applies to the last one only (the
         network's output needs its variances alone), the layers before it pass their full
-        covariance on. Returns the output's mean, variance (zeros for a deterministic network)
-        and covariance (None unless ``full_out``): :func:`full_pass` over every layer."""
+        covariance on; the output's mean, variance and covariance (None unless full_out)."""
         return full_pass(list(self), (mean, var, cov), full_out=full_out, fused=fused,
                          symmetric=symmetric)
 
@@ -337,15 +335,13 @@ class MomentSequential(MomentModule):
 
 
 def full_pass(layers: Sequence[MomentModule], moments: FullMoments, full_out: bool = False,
-              fused: bool = True, symmetric: bool = False
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+              fused: bool = True, symmetric: bool = False) -> PassMoments:
     """``layers``' ``forward_full`` in turn from ``moments`` (a network's or a part's): every
     layer but the last passes its full covariance on, the last only when ``full_out`` (an
     output needs its variances alone). Returns the mean, the variance (zeros for a
-    deterministic input all through) and the covariance (None unless ``full_out``). Every
-    layer's output covariance is exactly symmetric, so each layer after the first is told so;
-    ``symmetric``: the caller's promise for ``moments``' own covariance (else checked where
-    it matters)."""
+    deterministic input all through) and the covariance (None unless ``full_out``). Each
+    layer after the first is told its input covariance is exactly symmetric (every layer's
+    output is); ``symmetric``: the caller's promise for ``moments``' own."""
     mean, var, cov = moments
     for n, layer in enumerate(layers):
         mean, var, cov = layer.forward_full(mean, var, cov,
