@@ -59,7 +59,8 @@ def _forward(cov: torch.Tensor, rho: torch.Tensor, slopes: torch.Tensor, out_var
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """F (module docstring) and the series' σσR (saved for the backward pass)."""
     pairs = cov * off
-    # √cₖσψₖ on both sides of each term: a symmetric ρ gives a symmetric matrix to the last bit
+    # √cₖσψₖ on both sides of each term: a symmetric ρ gives a symmetric matrix to the last bit;
+    # stacked, so that compiled code computes each unit's terms once, not once per entry
     root = torch.stack([p * s * (1 / math.sqrt((k + 1) * (k + 2)))
                         for k, p in enumerate(mehler.hermite_functions(t, n))])
     curv = mehler.horner(list(root), list(root), rho).mul_(rho).mul_(rho)
@@ -106,8 +107,8 @@ _PROGRAMS: dict[str, Callable[..., Any]] = {
 
 @cache
 def _compiled(which: str) -> Any:
-    """:func:`_forward` or :func:`_backward` through torch.compile (dynamic sizes; N and β
-    compiled in as constants), built on first use."""
+    """The program ``which`` (a key of :data:`_PROGRAMS`) through torch.compile (dynamic
+    sizes; N and β compiled in as constants), built on first use."""
     fn = _PROGRAMS[which]
     return compile_dynamic(fn, suppress_errors=True, specialize_float=True,
                            cache_size_limit=64)
@@ -154,6 +155,6 @@ def pair_terms(cov: torch.Tensor, inv: torch.Tensor, slopes: torch.Tensor,
                n: int, beta: float) -> torch.Tensor:
     """F (B, d, d) (module docstring) for an exactly symmetric ``cov``, with ρ as
     :func:`correlations` gives it (no gradient: it is recomputed from ``cov`` and ``inv``
-    for theirs) and ``n`` series terms (at least; rounded up where compiled)."""
+    for theirs) and ``n`` series terms (at least one; :data:`COMPILED_TERMS` where compiled)."""
     # at least one term: where every ρ is 0 (independent units) it gives 0 exactly, as none would
     return _PairTerms.apply(cov, inv, slopes, out_var, t, s, rho.detach(), max(n, 1), beta)
