@@ -21,7 +21,7 @@ from torch import nn
 from uqbench.methods.moments.activations import leaky_relu_moments
 from uqbench.methods.moments.covariance import leaky_relu_full_covariance
 from uqbench.methods.moments.fused import leaky_relu_moments_fused
-from uqbench.methods.moments.sandwich import diagonal_sandwich, sandwich
+from uqbench.methods.moments.sandwich import diagonal_sandwich, sandwich, symmetric_part
 
 # mean (B, d); variance (B, d) or None (deterministic); covariance (B, d, d) or None (independent)
 FullMoments = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
@@ -211,7 +211,7 @@ class GaussianLinear(_GaussianParams):
             spread = sandwich(cov, w)     # M Σ Mᵀ, symmetrised; its backward in 3 products
         else:
             spread = w @ (cov @ w.T)                                        # M Σ Mᵀ
-            spread = 0.5 * (spread + spread.transpose(-1, -2))  # symmetric to rounding
+            spread = symmetric_part(spread)
         out_var = spread.diagonal(dim1=-2, dim2=-1) + extra
         spread.diagonal(dim1=-2, dim2=-1).add_(extra)       # + diag(extra), in place
         return out_mean, out_var, spread

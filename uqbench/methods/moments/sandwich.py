@@ -19,19 +19,23 @@ from typing import Any
 import torch
 
 
+def symmetric_part(x: torch.Tensor) -> torch.Tensor:
+    """½(X + Xᵀ) over the last two axes: symmetric to the last bit (the symmetrisation's
+    gradient is the same map of the output's)."""
+    return 0.5 * (x + x.transpose(-1, -2))
+
+
 class _Sandwich(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, cov: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         spread = w @ (cov @ w.T)                                            # M Σ Mᵀ
         ctx.save_for_backward(cov, w)
-        return 0.5 * (spread + spread.transpose(-1, -2))
+        return symmetric_part(spread)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         cov, w = ctx.saved_tensors
-        half = 0.5 * grad
-        sym = half + half.transpose(-1, -2)                                 # Ĝ
-        left = w.T @ sym                                                    # MᵀĜ: (B, in, out)
+        left = w.T @ symmetric_part(grad)                                   # MᵀĜ: (B, in, out)
         d_cov = left @ w if ctx.needs_input_grad[0] else None
         d_w = None
         if ctx.needs_input_grad[1]:
@@ -45,13 +49,12 @@ class _DiagonalSandwich(torch.autograd.Function):
     def forward(ctx: Any, var: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         spread = (w * var.unsqueeze(1)) @ w.T                              # M diag(v) Mᵀ
         ctx.save_for_backward(var, w)
-        return 0.5 * (spread + spread.transpose(-1, -2))
+        return symmetric_part(spread)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         var, w = ctx.saved_tensors
-        half = 0.5 * grad
-        gm = (half + half.transpose(-1, -2)) @ w                            # ĜM: (B, out, in)
+        gm = symmetric_part(grad) @ w                                       # ĜM: (B, out, in)
         d_var = (gm * w).sum(-2) if ctx.needs_input_grad[0] else None
         d_w = (gm * var.unsqueeze(1)).sum(0).mul_(2) if ctx.needs_input_grad[1] else None
         return d_var, d_w
