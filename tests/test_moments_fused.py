@@ -178,8 +178,9 @@ def test_fused_is_the_default_and_the_options_are_checked(compose_cfg):
 
 @pytest.mark.slow
 def test_compiled_pass_equals_the_reference():
-    """torch.compile of the fused pass (inference, float32): in = 1 written pointwise, the
-    2-unit output as a fused sum; the erfc kernel is ATen's, called from compiled code."""
+    """torch.compile of the fused pass (inference, float32), as the BNN runs it
+    (:mod:`uqbench.methods.moments.inference`): in = 1 written pointwise, erfc from the fitted
+    erfcx."""
     info = DataInfo("regression", in_dim=1, out_dim=1, num_train_batches=20)
     torch.manual_seed(0)
     comp = BayesianMLP(MLP(width=16, depth=2), info, variance="learned", compile=True)

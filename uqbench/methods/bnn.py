@@ -58,6 +58,7 @@ from uqbench.configs import options_with
 from uqbench.contracts import Batch, DataInfo, RegressionOutput
 from uqbench.methods.base import Method
 from uqbench.methods.moments.compiling import compile_dynamic
+from uqbench.methods.moments.inference import compiled_inference
 from uqbench.methods.moments.layers import (
     FULL_RULES,
     PRIORS,
@@ -284,6 +285,8 @@ class BayesianMLP(Method):
         if not self.fused:
             return self.net(x, torch.zeros_like(x))  # deterministic input: v = 0
         if self.compiled and not torch.is_grad_enabled():
+            if fusable(self.net):
+                return compiled_inference(self.net, x)
             # a copy, not a view: a view's base (a split's tensor) would enter the graph's
             # guards, and the next split's size would compile the pass again
             return _compiled_fused_pass()(self.net, x.clone())

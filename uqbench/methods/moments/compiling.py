@@ -1,5 +1,6 @@
-"""torch.compile as the moment passes use it: one graph with dynamic sizes, dynamo's settings
-patched around each call, and the first call (the compilation) quiet.
+"""torch.compile as the moment passes use it: one graph with dynamic sizes (or sizes specialised
+until they vary), dynamo's settings patched around each call, and the first call (the
+compilation) quiet.
 
 Compiling prints two lines that say nothing about the run: a FutureWarning that inductor
 raises against its own deprecated helper (``torch._prims_common.check``), and, on a CUDA build
@@ -46,7 +47,22 @@ def quiet_compilation() -> Iterator[None]:
 def compile_dynamic(fn: Callable[..., Any], **config: Any) -> Callable[..., Any]:
     """``fn`` through torch.compile with dynamic sizes, run under dynamo's ``config``
     (torch._dynamo.config keys), its first call inside :func:`quiet_compilation`."""
-    compiled = torch._dynamo.config.patch(**config)(torch.compile(fn, dynamic=True))
+    return _quiet_first(fn, torch._dynamo.config.patch(**config)(torch.compile(fn, dynamic=True)))
+
+
+def compile_specialised(fn: Callable[..., Any], options: dict[str, Any],
+                        **config: Any) -> Callable[..., Any]:
+    """``fn`` through torch.compile with its sizes specialised until they vary (dynamo's
+    automatic dynamic: a size that changes between calls is compiled again as a dynamic one,
+    once, as is one marked ``torch._dynamo.maybe_mark_dynamic`` from the start), inductor's
+    ``options`` and dynamo's ``config``, its first call inside :func:`quiet_compilation`."""
+    compiled = torch.compile(fn, dynamic=None, options=options)
+    return _quiet_first(fn, torch._dynamo.config.patch(**config)(compiled))
+
+
+def _quiet_first(fn: Callable[..., Any], compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` (``fn``'s compilation) with ``fn``'s name, its first call inside
+    :func:`quiet_compilation`."""
     first = True
 
     @functools.wraps(fn)

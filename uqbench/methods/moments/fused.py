@@ -70,6 +70,31 @@ def _erfc(z: torch.Tensor, pdf: torch.Tensor) -> torch.Tensor:
     return erfcx_fit(z) * (pdf * _SQRT_2PI)
 
 
+def leaky_relu_moments_compiled(mean: torch.Tensor, var: torch.Tensor,
+                                a: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_leaky_relu_moments_fused`'s mean and variance (``keep`` false) in the fewest
+    operations of one compiled loop: erfc(|t|/√2) = erfcx·e from e = exp(−t²/2) itself (not
+    from φ(t) = e/√(2π) times √(2π): a rounding less), q(1 − C) as a select, and no in-place
+    chains (the compiler writes each value once either way). The same closed forms on the same
+    erfc and exp arguments, so they agree to rounding; what the compiled inference pass runs
+    (:mod:`.inference`). Eagerly it takes ATen's erfc, as :func:`_erfc` does."""
+    s = var.clamp_min(0.0).sqrt().clamp_min(torch.finfo(var.dtype).tiny)
+    t = (mean / s).clamp(-_T_MAX, _T_MAX)
+    at = t.abs()
+    t2 = t * t
+    e = torch.exp(t2 * -0.5)
+    pdf = e * (1 / _SQRT_2PI)                                   # φ(t)
+    z = at * (1 / math.sqrt(2))
+    big_c = (erfcx_fit(z) * e if torch.compiler.is_compiling() and z.dtype != torch.float64
+             else _erfc(z, pdf))                                # 2Φ(−|t|)
+    g = (pdf - 0.5 * at * big_c).clamp_min(0.0)
+    out_mean = F.leaky_relu(mean, a) + (1 - a) * s * g
+    upper = torch.where(t > 0, 1 - big_c, 0.0)                  # q(1 − C)
+    h2 = ((t2 + 1) * big_c - 2 * at * pdf - 2 * g * g).clamp_min(0.0)  # 2h₋
+    factor = h2 * ((1 - a) ** 2 / 2) + big_c * (a * (1 - a)) + upper * (1 - a * a) + a * a
+    return out_mean, (var * factor).clamp_min(0.0)
+
+
 # the six tensors _LeakyReLUMoments.backward reads: mean, s, Φ(t), φ(t), E₊, the output mean
 Saved = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
