@@ -3,17 +3,19 @@ plan of the network and its weight means and variances instead of the module.
 
 ``MomentSequential.forward_fused`` compiled with the module as its argument recomputes each
 layer's σ_W² = softplus(ρ)² and μ_W² + σ_W² in every call and guards every parameter, and with
-all sizes dynamic its loops split where a broadcast meets a contiguous operand (the first
-activation then runs as three loops, its √v computed twice). Here the same pass takes each
-Gaussian linear layer's μ_W, μ_b and its variances as the layer keeps them (computed once per
-parameter version, ``GaussianLinear._variances``), and compiles with the widths fixed and the
-batch dynamic: every activation one loop (:func:`~.fused.leaky_relu_moments_compiled`), every
-layer with more than one input a matrix product, and multiply-adds contracted into fused ones
-(inductor's ``cpp.enable_floating_point_contract_flag``: a rounding less per pair, not more). A
-network of other widths in the same process compiles once more, with dynamic widths (dynamo's
-automatic dynamic), so a width sweep compiles at most twice a process, as the on-disk cache
-serves later processes. The numbers are the eager pass's to rounding
-(``tests/test_moment_pass_values.py`` pins them against the stored values).
+all sizes dynamic the last activation's loop splits where it meets the output layer's sum over
+units (√v and the erfcx computed twice). Here the same pass takes each Gaussian linear layer's
+μ_W, μ_b and its variances as the layer keeps them (computed once per parameter version,
+``GaussianLinear._variances``), and compiles with the widths fixed and the batch dynamic: each
+activation after the first is one loop (:func:`~.fused.leaky_relu_moments_compiled`), every
+layer with more than one input a matrix product, and multiply-adds are contracted into fused
+ones (inductor's ``cpp.enable_floating_point_contract_flag``: a rounding less per pair, not
+more). The first activation, fed by the outer product of a one-input layer, still runs as
+three loops (inductor does not merge its broadcast reads with the contiguous ones). A network
+of other widths in the same process compiles once more, with dynamic widths (dynamo's
+automatic dynamic), so a width sweep compiles about twice a process (and once more for a
+batch of one row), and the on-disk cache serves later processes. The numbers are the eager
+pass's to rounding (``tests/test_moment_pass_values.py`` pins them against the stored values).
 """
 
 from __future__ import annotations
