@@ -14,9 +14,10 @@ from tests.test_moments_fused import SLOPES, assert_equal_to_rounding, tail_grid
 from uqbench.backbones.mlp import MLP
 from uqbench.contracts import DataInfo
 from uqbench.methods.bnn import BayesianMLP
+from uqbench.methods.moments import fused, inference
 from uqbench.methods.moments.activations import leaky_relu_moments
 from uqbench.methods.moments.fused import leaky_relu_moments_compiled
-from uqbench.methods.moments.inference import inference_plan, planned_pass
+from uqbench.methods.moments.inference import eager_inference, inference_plan, planned_pass
 from uqbench.methods.moments.layers import GaussianLinear, MomentLeakyReLU, MomentSequential
 
 
@@ -69,6 +70,44 @@ def test_inference_plan_refuses_a_layer_it_does_not_know():
     with pytest.raises(ValueError, match="GaussianLinear and MomentLeakyReLU layers, got "
                                          "MomentSequential"):
         inference_plan(net)
+
+
+@pytest.mark.parametrize("widths", [(1, 16, 16, 1), (3, 24, 2), (1, 40, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_eager_inference_in_row_blocks_is_the_whole_pass_bit_for_bit(widths, dtype,
+                                                                     monkeypatch):
+    """Blocks of 16 rows (the last holding the remainder) over batches that end mid-block and
+    on a block: the whole batch's numbers to rounding (a matrix product may round a block's
+    last rows otherwise); the blocks ran; with autograd, or a batch under two blocks, the
+    whole batch in one pass."""
+    net = _net(widths, 0.1).to(dtype)
+    monkeypatch.setattr(inference, "BLOCK_ROWS", 16)
+    monkeypatch.setattr(fused, "CHUNK", 16 * max(widths))
+    calls: list[int] = []
+    whole_pass = MomentSequential.forward_fused
+
+    def counted(self, mean, var=None):
+        calls.append(mean.shape[0])
+        return whole_pass(self, mean, var)
+
+    for n in (32, 67, 96, 31):
+        x = torch.linspace(-6, 6, n * widths[0], dtype=dtype).reshape(n, widths[0])
+        with torch.no_grad():
+            want = net.forward_fused(x)
+            monkeypatch.setattr(MomentSequential, "forward_fused", counted)
+            calls.clear()
+            got = eager_inference(net, x)
+            monkeypatch.setattr(MomentSequential, "forward_fused", whole_pass)
+        tol = dict(rtol=1e-13, atol=1e-15) if dtype == torch.float64 else dict(rtol=1e-6,
+                                                                                  atol=1e-7)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, **tol)
+        assert calls == ([n] if n < 32 else [16] * (n // 16 - 1) + [16 + n % 16]), n
+    with torch.enable_grad():
+        monkeypatch.setattr(MomentSequential, "forward_fused", counted)
+        calls.clear()
+        eager_inference(net, x.new_zeros(96, widths[0]))
+    assert calls == [96]
 
 
 def _bnn(width: int) -> BayesianMLP:

@@ -1,34 +1,55 @@
-"""The diagonal moment pass for inference under torch.compile (``method.compile: true``), from a
-plan of the network and its weight means and variances instead of the module.
+"""The diagonal moment pass for inference: eagerly in blocks of rows that stay in cache
+(:func:`eager_inference`), and under torch.compile (``method.compile: true``) from a plan of the
+network and its weight means and variances instead of the module (:func:`compiled_inference`).
 
-``MomentSequential.forward_fused`` compiled with the module as its argument recomputes each
-layer's σ_W² = softplus(ρ)² and μ_W² + σ_W² in every call and guards every parameter, and with
-all sizes dynamic the last activation's loop splits where it meets the output layer's sum over
-units (√v and the erfcx computed twice). Here the same pass takes each Gaussian linear layer's
-μ_W, μ_b and its variances as the layer keeps them (computed once per parameter version,
-``GaussianLinear._variances``), and compiles with the widths fixed and the batch dynamic: each
-activation after the first is one loop (:func:`~.fused.leaky_relu_moments_compiled`), every
-layer with more than one input a matrix product, and multiply-adds are contracted into fused
-ones (inductor's ``cpp.enable_floating_point_contract_flag``: a rounding less per pair, not
-more). The first activation, fed by the outer product of a one-input layer, still runs as
-three loops (inductor does not merge its broadcast reads with the contiguous ones). A network
-of other widths in the same process compiles once more, with dynamic widths (dynamo's
-automatic dynamic), so a width sweep compiles about twice a process (and once more for a
-batch of one row), and the on-disk cache serves later processes. The numbers are the eager
-pass's to rounding (``tests/test_moment_pass_values.py`` pins them against the stored values).
+Eagerly on the CPU without autograd, a batch whose widest layer holds more than two blocks of
+:data:`~.fused.CHUNK` numbers runs through the whole network in blocks of rows of about that
+size: each row's moments depend on that row alone, so every layer's temporaries, its outputs
+included, stay in cache instead of each (batch, width) tensor going out to memory and back
+(at 1024 rows and width 1024 that is 4 MB a tensor, written and read by every operation of
+the layer). The operations are the module's own on fewer rows, in blocks of a multiple of
+:data:`BLOCK_ROWS` rows (the last also holds the remainder), so that ATen's vectorised loops
+cover each row as they do over the whole batch and the activations give the same numbers bit
+for bit; a matrix product may group a block's last rows otherwise than the whole batch's
+(MKL's, here: an output layer's mean in float64 moved by one unit in the last place in one
+case of the tests), so the pass equals the unblocked one to rounding
+(``tests/test_moments_inference.py``).
+
+Under torch.compile, ``MomentSequential.forward_fused`` with the module as its argument
+recomputes each layer's σ_W² = softplus(ρ)² and μ_W² + σ_W² in every call and guards every
+parameter, and with all sizes dynamic the last activation's loop splits where it meets the
+output layer's sum over units (√v and the erfcx computed twice). Here the same pass takes each
+Gaussian linear layer's μ_W, μ_b and its variances as the layer keeps them (computed once per
+parameter version, ``GaussianLinear._variances``), and compiles with the widths fixed and the
+batch dynamic: each activation after the first is one loop
+(:func:`~.fused.leaky_relu_moments_compiled`), every layer with more than one input a matrix
+product, and multiply-adds are contracted into fused ones (inductor's
+``cpp.enable_floating_point_contract_flag``: a rounding less per pair, not more). The first
+activation, fed by the outer product of a one-input layer, still runs as three loops (inductor
+does not merge its broadcast reads with the contiguous ones). A network of other widths in the
+same process compiles once more, with dynamic widths (dynamo's automatic dynamic), so a width
+sweep compiles about twice a process (and once more for a batch of one row), and the on-disk
+cache serves later processes. The numbers are the eager pass's to rounding
+(``tests/test_moment_pass_values.py`` pins them against the stored values).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from uqbench.methods.moments import fused
 from uqbench.methods.moments.compiling import compile_specialised
 from uqbench.methods.moments.fused import leaky_relu_moments_compiled
 from uqbench.methods.moments.layers import GaussianLinear, MomentLeakyReLU, MomentSequential
+
+# a block's rows are a multiple of this (the last block also holds the remainder), so that each
+# elementwise kernel's vectorised loop falls on the rows as it does over the whole batch
+BLOCK_ROWS = 64
 
 # per layer: None for a Gaussian linear layer, the slope for a Leaky-ReLU
 InferencePlan = tuple[float | None, ...]
@@ -97,3 +118,19 @@ def compiled_inference(net: MomentSequential, x: torch.Tensor
     x = x.clone()
     torch._dynamo.maybe_mark_dynamic(x, 0)
     return _compiled()(x, *inference_plan(net))
+
+
+def eager_inference(net: MomentSequential, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``net.forward_fused(x)`` for deterministic inputs x (B, in); on the CPU without
+    autograd, in blocks of rows where two blocks of :data:`~.fused.CHUNK` numbers in the widest
+    Gaussian linear layer (inputs or outputs) fit in the batch (module docstring), the same
+    numbers to rounding."""
+    widest = max((max(m.in_features, m.out_features) for m in net
+                  if isinstance(m, GaussianLinear)), default=0)
+    rows = fused.CHUNK // max(widest, 1) // BLOCK_ROWS * BLOCK_ROWS
+    n = x.shape[0] if x.dim() == 2 else 0
+    if torch.is_grad_enabled() or x.device.type != "cpu" or rows == 0 or n < 2 * rows:
+        return net.forward_fused(x)
+    edges = [*range(0, n - rows + 1, rows), n]  # the last block takes the remainder too
+    blocks = [net.forward_fused(x[a:b]) for a, b in itertools.pairwise(edges)]
+    return torch.cat([m for m, _ in blocks]), torch.cat([v for _, v in blocks])
