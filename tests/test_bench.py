@@ -473,3 +473,42 @@ def test_eager_floor_keeps_the_pass_matrix_work_and_its_three_calls_per_unit():
             floor(x)
     elementwise = [c for c in calls.wide if c not in ("addmm", "addcmul", "mm", "mul")]
     assert sorted(elementwise) == sorted(["sqrt", "neg", "exp", "erfc"] * 2)
+
+
+def test_compiled_floor_keeps_the_pass_matrix_work_and_its_three_operations_per_unit():
+    """The compiled floor row's pass (run eagerly here: its compilation is the bench's): the
+    same matrix products as the compiled pass (torch's FLOP counter) and, per hidden unit,
+    one sqrt, division and exp, with only an abs and a negation beside them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from uqbench.bench import moment_costs as bnn
+    from uqbench.methods.moments import inference
+
+    net = bnn.build_bnn(16, 2, CPU)
+    plan, tensors = inference.inference_plan(net.net)
+    x = torch.linspace(-2, 2, 32).unsqueeze(1)
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.wide = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.shape == (32, 16):
+                self.wide.append(func.overloadpacket.__name__)
+            return out
+
+    with torch.no_grad():
+        flops = []
+        for fn in (inference.planned_pass, bnn._floor_pass):
+            with FlopCounterMode(display=False) as counter:
+                mean, var = fn(x, plan, tensors)
+            flops.append(counter.get_total_flops())
+            assert mean.shape == var.shape == (32, 1) and torch.isfinite(var).all()
+        assert flops[0] == flops[1] > 0
+        with Calls() as calls:
+            bnn._floor_pass(x, plan, tensors)
+    elementwise = [c for c in calls.wide if c not in ("addmm", "add", "mm", "mul", "t")]
+    assert sorted(elementwise) == sorted(["sqrt", "div", "abs", "neg", "exp"] * 2)

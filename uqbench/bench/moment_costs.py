@@ -51,8 +51,9 @@ from uqbench.bench.report import Record
 from uqbench.bench.timing import ROUNDS, Measured, one_thread, side_by_side
 from uqbench.contracts import DataInfo
 from uqbench.methods.bnn import BayesianMLP
-from uqbench.methods.moments import covariance, mehler
+from uqbench.methods.moments import covariance, inference, mehler
 from uqbench.methods.moments.activations import leaky_relu_moments
+from uqbench.methods.moments.compiling import compile_specialised
 from uqbench.methods.moments.layers import GaussianLinear
 
 SLOPE = 0.1
@@ -128,6 +129,42 @@ def eager_floor(bnn: BayesianMLP) -> Callable[[torch.Tensor], tuple[torch.Tensor
     return run
 
 
+def _floor_pass(x: torch.Tensor, plan: inference.InferencePlan, tensors: list[torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compiled pass's linear layers (:func:`~uqbench.methods.moments.inference.
+    linear_moments`) with, per hidden unit, one square root, one division and one exponential
+    (r = μ/√v, then r and exp(−|r|), bounded), fused by the compiler into one loop."""
+    mean, var = x, None
+    it = iter(tensors)
+    for slope in plan:
+        if slope is not None:
+            assert var is not None
+            ratio = mean / var.sqrt()
+            mean, var = ratio, torch.exp(-ratio.abs())
+            continue
+        mean, var = inference.linear_moments(mean, var, *(next(it) for _ in range(5)))
+    assert var is not None
+    return mean, var
+
+
+@functools.cache
+def _compiled_floor_pass() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    return compile_specialised(_floor_pass, inference.COMPILE_OPTIONS, specialize_float=True)
+
+
+def compiled_floor(bnn: BayesianMLP
+                   ) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """x (B, 1) → what no exact compiled pass can drop: the compiled pass's matrix products
+    (three for a hidden layer) and, per hidden unit, the square root and division that
+    t = μ/σ needs and the exponential that φ needs, compiled as the pass is (the widths
+    fixed, multiply-adds fused). An exact erfc costs a division or an exponential more (the
+    pass's: the fitted erfcx's division), and its closed forms about forty multiply-adds,
+    which this leaves out. What it computes is not a moment; its time is a floor for the
+    compiled pass."""
+    plan, tensors = inference.inference_plan(bnn.net)
+    return functools.partial(_compiled_floor_pass(), plan=plan, tensors=tensors)
+
+
 def _fastbnns() -> SimpleNamespace | None:
     """fastbnns' converter, propagators and moment type (None when it is not installed)."""
     try:
@@ -189,6 +226,8 @@ def _speed_one(label: str, width: int, depth: int, device: torch.device, repeats
         "reference": functools.partial(build_bnn(width, depth, device, fused=False).moment_pass,
                                        x),
         "floor": functools.partial(eager_floor(build_bnn(width, depth, device)), x)}
+    if not quick:
+        calls["compiled_floor"] = functools.partial(compiled_floor(bnn), x)
     anchors = fastbnns_models(plain)
     if anchors is not None:
         calls.update({k: functools.partial(anchors[k], x) for k in ("analytic", "unscented")})
@@ -231,6 +270,13 @@ def _speed_one(label: str, width: int, depth: int, device: torch.device, repeats
                note="what an eager pass that calls ATen's sqrt, exp and erfc once per unit "
                     "cannot go under (the fused eager pass: those calls and ~20 elementwise "
                     "passes); timed with the untargeted passes"),
+        *([] if quick else [Record(
+            f"compiled floor / plain forward, {label}: the compiled pass's matrix products and "
+            f"one sqrt, division and exp per hidden unit in one loop", rest_ratio["compiled_floor"],
+            "×", dev, section=SECTION_SPEED,
+            note="what a compiled pass that needs σ, t = μ/σ and φ per unit cannot go under (the "
+                 "compiled pass: those, the fitted erfc's division and about forty "
+                 "multiply-adds per unit); timed with the untargeted passes")]),
         *mc_speed(bnn, x, anchors, label, device, quick)]
 
 

@@ -54,7 +54,8 @@ BLOCK_ROWS = 64
 # per layer: None for a Gaussian linear layer, the slope for a Leaky-ReLU
 InferencePlan = tuple[float | None, ...]
 
-_OPTIONS = {"cpp.enable_floating_point_contract_flag": "fast"}
+# inductor's options for the compiled pass: multiply-adds contracted into fused ones
+COMPILE_OPTIONS = {"cpp.enable_floating_point_contract_flag": "fast"}
 # Python floats (the slopes) compiled in as constants; a failed compilation runs eagerly
 _CONFIG = {"specialize_float": True, "suppress_errors": True}
 
@@ -89,25 +90,33 @@ def planned_pass(x: torch.Tensor, plan: InferencePlan, tensors: list[torch.Tenso
             mean, var = leaky_relu_moments_compiled(
                 mean, torch.zeros_like(mean) if var is None else var, slope)
             continue
-        w, b, w_var, w_second, b_var = (next(it) for _ in range(5))
-        if w.shape[1] == 1:  # an outer product, fused into the next activation's loop
-            out_mean = b + mean * w.T
-            out_var = b_var + mean * mean * w_var.T
-            if var is not None:
-                out_var = out_var + var * w_second.T
-        else:
-            out_mean = F.linear(mean, w, b)
-            out_var = torch.addmm(b_var, mean * mean, w_var.T)
-            if var is not None:
-                out_var = torch.addmm(out_var, var, w_second.T)
-        mean, var = out_mean, out_var
+        mean, var = linear_moments(mean, var, *(next(it) for _ in range(5)))
     return mean, torch.zeros_like(mean) if var is None else var
+
+
+def linear_moments(mean: torch.Tensor, var: torch.Tensor | None, w: torch.Tensor, b: torch.Tensor,
+                   w_var: torch.Tensor, w_second: torch.Tensor, b_var: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Gaussian linear layer's output mean and variance from its μ_W, μ_b, σ_W²,
+    μ_W² + σ_W², σ_b² (var None: a deterministic input): one input as an outer product (fused
+    into the next activation's loop), otherwise matrix products."""
+    if w.shape[1] == 1:
+        out_mean = b + mean * w.T
+        out_var = b_var + mean * mean * w_var.T
+        if var is not None:
+            out_var = out_var + var * w_second.T
+        return out_mean, out_var
+    out_mean = F.linear(mean, w, b)
+    out_var = torch.addmm(b_var, mean * mean, w_var.T)
+    if var is not None:
+        out_var = torch.addmm(out_var, var, w_second.T)
+    return out_mean, out_var
 
 
 @functools.cache
 def _compiled() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """:func:`planned_pass` through torch.compile (module docstring), built on first use."""
-    return compile_specialised(planned_pass, _OPTIONS, **_CONFIG)
+    return compile_specialised(planned_pass, COMPILE_OPTIONS, **_CONFIG)
 
 
 def compiled_inference(net: MomentSequential, x: torch.Tensor
