@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from uqbench.bench import parse, report
 from uqbench.bench.timing import (
@@ -437,11 +438,24 @@ def test_comparing_a_file_that_is_not_a_bench_json_names_it(tmp_path, capsys):
     assert "x.json: not a list of benchmark records" in capsys.readouterr().err
 
 
+class _WideCalls(TorchDispatchMode):
+    """Inside: the name of every operation whose output has ``shape`` (a hidden layer's)."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        super().__init__()
+        self.shape, self.wide = shape, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.shape == self.shape:
+            self.wide.append(func.overloadpacket.__name__)
+        return out
+
+
 def test_eager_floor_keeps_the_pass_matrix_work_and_its_three_calls_per_unit():
     """The eager floor row's network: the same matrix products as the eager fused pass (torch's
     FLOP counter, which counts only them) and, beside the linear layers' own products, one
     sqrt, exp and erfc per hidden unit and nothing else at the hidden layers' size."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.flop_counter import FlopCounterMode
 
     from uqbench.bench import moment_costs as bnn
@@ -449,17 +463,6 @@ def test_eager_floor_keeps_the_pass_matrix_work_and_its_three_calls_per_unit():
     net = bnn.build_bnn(16, 2, CPU)
     floor = bnn.eager_floor(net)
     x = torch.linspace(-2, 2, 32).unsqueeze(1)
-
-    class Calls(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.wide = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if isinstance(out, torch.Tensor) and out.shape == (32, 16):
-                self.wide.append(func.overloadpacket.__name__)
-            return out
 
     with torch.no_grad():
         flops = []
@@ -469,7 +472,7 @@ def test_eager_floor_keeps_the_pass_matrix_work_and_its_three_calls_per_unit():
             flops.append(counter.get_total_flops())
             assert mean.shape == var.shape == (32, 1) and torch.isfinite(var).all()
         assert flops[0] == flops[1] > 0
-        with Calls() as calls:
+        with _WideCalls((32, 16)) as calls:
             floor(x)
     elementwise = [c for c in calls.wide if c not in ("addmm", "addcmul", "mm", "mul")]
     assert sorted(elementwise) == sorted(["sqrt", "neg", "exp", "erfc"] * 2)
@@ -479,7 +482,6 @@ def test_compiled_floor_keeps_the_pass_matrix_work_and_its_three_operations_per_
     """The compiled floor row's pass (run eagerly here: its compilation is the bench's): the
     same matrix products as the compiled pass (torch's FLOP counter) and, per hidden unit,
     one sqrt, division and exp, with only an abs and a negation beside them."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.flop_counter import FlopCounterMode
 
     from uqbench.bench import moment_costs as bnn
@@ -489,17 +491,6 @@ def test_compiled_floor_keeps_the_pass_matrix_work_and_its_three_operations_per_
     plan, tensors = inference.inference_plan(net.net)
     x = torch.linspace(-2, 2, 32).unsqueeze(1)
 
-    class Calls(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.wide = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if isinstance(out, torch.Tensor) and out.shape == (32, 16):
-                self.wide.append(func.overloadpacket.__name__)
-            return out
-
     with torch.no_grad():
         flops = []
         for fn in (inference.planned_pass, bnn._floor_pass):
@@ -508,7 +499,7 @@ def test_compiled_floor_keeps_the_pass_matrix_work_and_its_three_operations_per_
             flops.append(counter.get_total_flops())
             assert mean.shape == var.shape == (32, 1) and torch.isfinite(var).all()
         assert flops[0] == flops[1] > 0
-        with Calls() as calls:
+        with _WideCalls((32, 16)) as calls:
             bnn._floor_pass(x, plan, tensors)
     elementwise = [c for c in calls.wide if c not in ("addmm", "add", "mm", "mul", "t")]
     assert sorted(elementwise) == sorted(["sqrt", "div", "abs", "neg", "exp"] * 2)
