@@ -15,6 +15,8 @@ Weights are w ~ N(μ, σ²) with σ = softplus(ρ).
   (the eager pass's form wherever the correlations are moderate);
 - :mod:`.sandwich`: the full-covariance pass's M Σ Mᵀ, with its gradients in three products;
 - :mod:`.compiling`: torch.compile as the passes use it (dynamic sizes, a quiet first call);
+- :mod:`.inference`: the diagonal pass for inference, eagerly in blocks of rows and compiled
+  from a plan of the layers' weight means and variances;
 - :mod:`.layers`: the Gaussian linear layer, the activation layer and their chain, each with a
   moment pass, a fused pass, a full-covariance pass and a sampled pass (Monte Carlo inference).
 """
