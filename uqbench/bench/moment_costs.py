@@ -129,22 +129,19 @@ def eager_floor(bnn: BayesianMLP) -> Callable[[torch.Tensor], tuple[torch.Tensor
     return run
 
 
+def _floor_activation(mean: torch.Tensor, var: torch.Tensor, slope: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compiled floor's stand-in for a Leaky-ReLU: one square root, one division and one
+    exponential per unit (r = μ/√v, then r and exp(−|r|), bounded)."""
+    ratio = mean / var.sqrt()
+    return ratio, torch.exp(-ratio.abs())
+
+
 def _floor_pass(x: torch.Tensor, plan: inference.InferencePlan, tensors: list[torch.Tensor]
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The compiled pass's linear layers (:func:`~uqbench.methods.moments.inference.
-    linear_moments`) with, per hidden unit, one square root, one division and one exponential
-    (r = μ/√v, then r and exp(−|r|), bounded), fused by the compiler into one loop."""
-    mean, var = x, None
-    it = iter(tensors)
-    for slope in plan:
-        if slope is not None:
-            assert var is not None
-            ratio = mean / var.sqrt()
-            mean, var = ratio, torch.exp(-ratio.abs())
-            continue
-        mean, var = inference.linear_moments(mean, var, *(next(it) for _ in range(5)))
-    assert var is not None
-    return mean, var
+    """The compiled pass (:func:`~uqbench.methods.moments.inference.planned_pass`) with
+    :func:`_floor_activation` at each hidden unit, fused by the compiler into one loop."""
+    return inference.planned_pass(x, plan, tensors, activation=_floor_activation)
 
 
 @functools.cache

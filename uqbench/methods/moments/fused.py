@@ -58,16 +58,17 @@ def _(z: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(z)
 
 
-def _erfc(z: torch.Tensor, pdf: torch.Tensor) -> torch.Tensor:
-    """erfc of z = |t|/√2 ≥ 0, given φ(t) = exp(−z²)/√(2π): in compiled code,
-    :func:`erfcx_fit` times √(2π)·φ(t) in float32 and lower (its error is float32's rounding,
-    so the compiled pass equals the eager one to rounding) and ATen's kernel in float64
-    (where the fit's 1e-8 would not be rounding); ATen's kernel eagerly."""
+def _erfc(z: torch.Tensor, pdf: torch.Tensor, e: torch.Tensor | None = None) -> torch.Tensor:
+    """erfc of z = |t|/√2 ≥ 0, given φ(t) = exp(−z²)/√(2π) (or ``e`` = exp(−z²) itself, a
+    rounding less): in compiled code, :func:`erfcx_fit` times exp(−z²) in float32 and lower
+    (its error is float32's rounding, so the compiled pass equals the eager one to rounding)
+    and ATen's kernel in float64 (where the fit's 1e-8 would not be rounding); ATen's kernel
+    eagerly."""
     if not torch.compiler.is_compiling():
         return torch.special.erfc(z)
     if z.dtype == torch.float64:
         return _erfc_kernel(z)
-    return erfcx_fit(z) * (pdf * _SQRT_2PI)
+    return erfcx_fit(z) * (pdf * _SQRT_2PI if e is None else e)
 
 
 def leaky_relu_moments_compiled(mean: torch.Tensor, var: torch.Tensor,
@@ -77,22 +78,40 @@ def leaky_relu_moments_compiled(mean: torch.Tensor, var: torch.Tensor,
     from φ(t) = e/√(2π) times √(2π): a rounding less), q(1 − C) as a select, and no in-place
     chains (the compiler writes each value once either way). The same closed forms on the same
     erfc and exp arguments, so they agree to rounding; what the compiled inference pass runs
-    (:mod:`.inference`). Eagerly it takes ATen's erfc, as :func:`_erfc` does."""
+    (:mod:`.inference`). Eagerly it takes ATen's erfc (:func:`_erfc`)."""
     s = var.clamp_min(0.0).sqrt().clamp_min(torch.finfo(var.dtype).tiny)
     t = (mean / s).clamp(-_T_MAX, _T_MAX)
     at = t.abs()
     t2 = t * t
     e = torch.exp(t2 * -0.5)
     pdf = e * (1 / _SQRT_2PI)                                   # φ(t)
-    z = at * (1 / math.sqrt(2))
-    big_c = (erfcx_fit(z) * e if torch.compiler.is_compiling() and z.dtype != torch.float64
-             else _erfc(z, pdf))                                # 2Φ(−|t|)
+    big_c = _erfc(at * (1 / math.sqrt(2)), pdf, e)              # 2Φ(−|t|)
     g = (pdf - 0.5 * at * big_c).clamp_min(0.0)
     out_mean = F.leaky_relu(mean, a) + (1 - a) * s * g
     upper = torch.where(t > 0, 1 - big_c, 0.0)                  # q(1 − C)
     h2 = ((t2 + 1) * big_c - 2 * at * pdf - 2 * g * g).clamp_min(0.0)  # 2h₋
     factor = h2 * ((1 - a) ** 2 / 2) + big_c * (a * (1 - a)) + upper * (1 - a * a) + a * a
     return out_mean, (var * factor).clamp_min(0.0)
+
+
+def linear_moments(mean: torch.Tensor, var: torch.Tensor | None, w: torch.Tensor, b: torch.Tensor,
+                   w_var: torch.Tensor, w_second: torch.Tensor, b_var: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Gaussian linear layer's output mean and variance, (B, in) → (B, out), from its μ_W,
+    μ_b, σ_W², μ_W² + σ_W² and σ_b² (var None: a deterministic input, v = 0, so its product is
+    skipped): one input as an outer product written pointwise (a compiler fuses it into the
+    next activation), otherwise matrix products."""
+    if w.shape[1] == 1:
+        out_mean = torch.addcmul(b, mean, w.T)                      # (B, 1)·(1, out)
+        out_var = torch.addcmul(b_var, mean * mean, w_var.T)
+        if var is not None:
+            out_var.addcmul_(var, w_second.T)
+        return out_mean, out_var
+    out_mean = F.linear(mean, w, b)
+    out_var = torch.addmm(b_var, mean * mean, w_var.T)
+    if var is not None:  # out of place: torch's FLOP counter skips an in-place addmm_
+        out_var = torch.addmm(out_var, var, w_second.T)
+    return out_mean, out_var
 
 
 # the six tensors _LeakyReLUMoments.backward reads: mean, s, Φ(t), φ(t), E₊, the output mean

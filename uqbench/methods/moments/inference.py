@@ -40,11 +40,10 @@ import itertools
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from uqbench.methods.moments import fused
 from uqbench.methods.moments.compiling import compile_specialised
-from uqbench.methods.moments.fused import leaky_relu_moments_compiled
+from uqbench.methods.moments.fused import leaky_relu_moments_compiled, linear_moments
 from uqbench.methods.moments.layers import GaussianLinear, MomentLeakyReLU, MomentSequential
 
 # a block's rows are a multiple of this (the last block also holds the remainder), so that each
@@ -78,39 +77,25 @@ def inference_plan(net: MomentSequential) -> tuple[InferencePlan, list[torch.Ten
     return tuple(plan), tensors
 
 
-def planned_pass(x: torch.Tensor, plan: InferencePlan, tensors: list[torch.Tensor]
+Activation = Callable[[torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+
+
+def planned_pass(x: torch.Tensor, plan: InferencePlan, tensors: list[torch.Tensor],
+                 activation: Activation = leaky_relu_moments_compiled
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The output mean and variance (B, out) for deterministic inputs x (B, in) from
     :func:`inference_plan`'s plan and tensors: ``MomentSequential.forward_fused``'s closed
-    forms (what is compiled; eagerly it gives them too, to rounding)."""
+    forms (what is compiled; eagerly it gives them too, to rounding). ``activation`` (mean,
+    var, slope) → (mean, var) stands for each Leaky-ReLU (the bench's compiled floor puts its
+    own there)."""
     mean, var = x, None
     it = iter(tensors)
     for slope in plan:
         if slope is not None:
-            mean, var = leaky_relu_moments_compiled(
-                mean, torch.zeros_like(mean) if var is None else var, slope)
+            mean, var = activation(mean, torch.zeros_like(mean) if var is None else var, slope)
             continue
         mean, var = linear_moments(mean, var, *(next(it) for _ in range(5)))
     return mean, torch.zeros_like(mean) if var is None else var
-
-
-def linear_moments(mean: torch.Tensor, var: torch.Tensor | None, w: torch.Tensor, b: torch.Tensor,
-                   w_var: torch.Tensor, w_second: torch.Tensor, b_var: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Gaussian linear layer's output mean and variance from its μ_W, μ_b, σ_W²,
-    μ_W² + σ_W², σ_b² (var None: a deterministic input): one input as an outer product (fused
-    into the next activation's loop), otherwise matrix products."""
-    if w.shape[1] == 1:
-        out_mean = b + mean * w.T
-        out_var = b_var + mean * mean * w_var.T
-        if var is not None:
-            out_var = out_var + var * w_second.T
-        return out_mean, out_var
-    out_mean = F.linear(mean, w, b)
-    out_var = torch.addmm(b_var, mean * mean, w_var.T)
-    if var is not None:
-        out_var = torch.addmm(out_var, var, w_second.T)
-    return out_mean, out_var
 
 
 @functools.cache

@@ -20,7 +20,7 @@ from torch import nn
 
 from uqbench.methods.moments.activations import leaky_relu_moments
 from uqbench.methods.moments.covariance import leaky_relu_full_covariance
-from uqbench.methods.moments.fused import leaky_relu_moments_fused
+from uqbench.methods.moments.fused import leaky_relu_moments_fused, linear_moments
 from uqbench.methods.moments.sandwich import diagonal_sandwich, sandwich, symmetric_part
 
 # mean (B, d); variance (B, d) or None (deterministic); covariance (B, d, d) or None (independent)
@@ -139,28 +139,19 @@ class GaussianLinear(_GaussianParams):
 
     def forward_fused(self, mean: torch.Tensor,
                       var: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward`` with fewer passes: (B, in) → (B, out); var None: v = 0, so its product
-        is skipped. in = 1 is an outer product, written pointwise (a compiler fuses it into the
-        next activation); under torch.compile an output of ≤ 2 units is a sum over the inputs,
+        """``forward`` with fewer passes: (B, in) → (B, out) by
+        :func:`~uqbench.methods.moments.fused.linear_moments` (var None: v = 0); under
+        torch.compile an output of ≤ 2 units from more than one input is a sum over the inputs,
         so it fuses into the previous activation instead of writing (B, in) moments out."""
         w_var, w_second, b_var = self._variances()
-        if self.in_features == 1:
-            out_mean = torch.addcmul(self.bias_mu, mean, self.weight_mu.T)  # (B, 1)·(1, out)
-            out_var = torch.addcmul(b_var, mean * mean, w_var.T)
-            if var is not None:
-                out_var.addcmul_(var, w_second.T)
-        elif torch.compiler.is_compiling() and self.out_features <= 2:
+        if self.in_features > 1 and torch.compiler.is_compiling() and self.out_features <= 2:
             m = mean.unsqueeze(1)                                           # (B, 1, in)
             out_mean = (m * self.weight_mu).sum(-1) + self.bias_mu
             out_var = (m * m * w_var).sum(-1) + b_var
             if var is not None:
                 out_var = out_var + (var.unsqueeze(1) * w_second).sum(-1)
-        else:
-            out_mean = F.linear(mean, self.weight_mu, self.bias_mu)
-            out_var = torch.addmm(b_var, mean * mean, w_var.T)
-            if var is not None:  # out of place: torch's FLOP counter skips an in-place addmm_
-                out_var = torch.addmm(out_var, var, w_second.T)
-        return out_mean, out_var
+            return out_mean, out_var
+        return linear_moments(mean, var, self.weight_mu, self.bias_mu, w_var, w_second, b_var)
 
     def _variances(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """σ_W², μ_W² + σ_W² and σ_b², as ``forward_fused`` reads them. Eagerly without
