@@ -86,24 +86,34 @@ def test_the_series_pass_with_the_symmetric_promise_reads_the_same():
 
 
 @pytest.mark.slow
-def test_the_compiled_programs_equal_the_eager_ones(monkeypatch):
+@pytest.mark.parametrize(("asked", "used"), [(3, 12), (15, 18)])
+def test_the_compiled_programs_equal_the_eager_ones(monkeypatch, asked, used):
     """float32, every matrix compiled (the threshold lowered): the forward and backward
-    programs against the same programs run eagerly with the same number of terms, within
-    float32's rounding of the compiled code's other order of operations."""
+    programs, with the term count rounded up to the smallest compiled count that suffices,
+    against the same programs run eagerly with that number of terms, within float32's rounding
+    of the compiled code's other order of operations."""
+    assert used == min(m for m in pair_terms.COMPILED_TERMS if m >= asked)
     inputs = _inputs(4, 8, torch.float32)
     weights = torch.randn(4, 8, 8, generator=torch.Generator().manual_seed(3))
-    n = pair_terms.COMPILED_TERMS
-    eager = _values_and_grads(_node, inputs, weights, n)
+    eager = _values_and_grads(_node, inputs, weights, used)
     monkeypatch.setattr(pair_terms, "COMPILE_ENTRIES", 1)
-    calls = []
-    original = pair_terms._compiled
+    calls, terms = [], []
+    original = pair_terms.PROGRAMS.compiled
 
     def counted(which):
         calls.append(which)
-        return original(which)
-    monkeypatch.setattr(pair_terms, "_compiled", counted)
-    compiled = _values_and_grads(_node, inputs, weights, 3)    # rounded up to COMPILED_TERMS
+        program = original(which)
+        if which != "forward":
+            return program
+
+        def forward(*args):
+            terms.append(args[7])                       # N, after cov, ρ, e, v, t, σ, off
+            return program(*args)
+        return forward
+    monkeypatch.setattr(pair_terms.PROGRAMS, "compiled", counted)
+    compiled = _values_and_grads(_node, inputs, weights, asked)
     assert set(calls) == {"correlations", "forward", "symmetrised", "backward"}
+    assert terms and set(terms) == {used}
     torch.testing.assert_close(compiled[0], eager[0], rtol=2e-6, atol=1e-7)
     for a, b in zip(compiled[1], eager[1], strict=True):
         assert (a - b).abs().max() <= 2e-6 * b.abs().max()

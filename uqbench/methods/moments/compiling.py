@@ -74,3 +74,26 @@ def _quiet_first(fn: Callable[..., Any], compiled: Callable[..., Any]) -> Callab
         with quiet_compilation():
             return compiled(*args, **kwargs)
     return call
+
+
+class Programs:
+    """Named tensor programs that run eagerly on small inputs and compiled on large ones: each
+    through :func:`compile_dynamic` (dynamo's ``config``), built on its first large call; a
+    call from code that is itself being compiled runs the plain function (traced into the
+    caller's graph)."""
+
+    def __init__(self, functions: dict[str, Callable[..., Any]], **config: Any) -> None:
+        self.functions, self.config = functions, config
+        self.built: dict[str, Callable[..., Any]] = {}
+
+    def compiled(self, which: str) -> Callable[..., Any]:
+        """The program ``which`` (a key of the functions given) compiled, built on first use."""
+        if which not in self.built:
+            self.built[which] = compile_dynamic(self.functions[which], **self.config)
+        return self.built[which]
+
+    def __call__(self, which: str, large: bool) -> Callable[..., Any]:
+        """The program ``which``: compiled where ``large``, else the plain function."""
+        if large and not torch.compiler.is_compiling():
+            return self.compiled(which)
+        return self.functions[which]

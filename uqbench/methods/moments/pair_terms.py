@@ -16,28 +16,31 @@ gradient). Autograd through the same steps keeps every intermediate (B, d, d) ma
 operations as the autograd pass, the same numbers) and the backward pass another.
 
 Speed only: a matrix of at least :data:`COMPILE_ENTRIES` entries whose series needs at most
-:data:`COMPILED_TERMS` terms runs both programs through torch.compile with that many terms
-(the N terms a loop in registers: one read of C and ρ instead of two passes per term; more
-terms than needed are closer to R, within the same bound, and one fixed N is one program to
-compile however N moves during training: the first compilation on a machine takes tens of
-seconds, later processes read torch's on-disk cache). Anything else runs them eagerly, as
-does a compilation that fails (with torch's warning).
+the largest of :data:`COMPILED_TERMS` terms runs both programs through torch.compile with the
+smallest of those counts that suffices (the N terms a loop in registers: one read of C and ρ
+instead of two passes per term; more terms than needed are closer to R, within the same
+bound, and a few fixed N are a few programs to compile however N moves during training: the
+first compilation on a machine takes tens of seconds, later processes read torch's on-disk
+cache). Anything else runs them eagerly, as does a compilation that fails (with torch's
+warning). The second count covers float32's series up to |ρ| = 0.5 (the series' limit):
+early in training a batch's largest |ρ| passes 0.35 (P2's depth-3, width-64 network, seed 0:
+about one call in six of its first sixty epochs, from the sixth, and none after), where the
+eager programs take three times the compiled 18-term ones' time.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from functools import cache
 from typing import Any
 
 import torch
 
 from uqbench.methods.moments import mehler
-from uqbench.methods.moments.compiling import compile_dynamic
+from uqbench.methods.moments.compiling import Programs
 
 COMPILE_ENTRIES = 2 ** 18  # B·d² from which the programs run compiled (a width-64 batch of 64)
-COMPILED_TERMS = 12        # the compiled programs' series terms (float32: |ρ| up to 0.35)
+COMPILED_TERMS = (12, 18)  # the compiled programs' series terms (float32: |ρ| up to 0.35, 0.5)
 
 
 def _correlations(cov: torch.Tensor, inv: torch.Tensor, off: torch.Tensor
@@ -51,7 +54,7 @@ def correlations(cov: torch.Tensor, inv: torch.Tensor, off: torch.Tensor
     """ρ = (C off the diagonal)·(1/σᵢ)(1/σⱼ) (B, d, d) and its largest |ρ| (a 0-d tensor),
     without gradient (one program, compiled where large, as the others)."""
     with torch.no_grad():
-        return _program("correlations", cov.numel() >= COMPILE_ENTRIES)(cov, inv, off)
+        return PROGRAMS("correlations", cov.numel() >= COMPILE_ENTRIES)(cov, inv, off)
 
 
 def _forward(cov: torch.Tensor, rho: torch.Tensor, slopes: torch.Tensor, out_var: torch.Tensor,
@@ -100,18 +103,10 @@ def _backward(grad: torch.Tensor, both: torch.Tensor, cov: torch.Tensor, rho: to
     return d_pairs, d_inv, d_slopes, d_out_var, d_t, d_s      # d_pairs is 0 on the diagonal
 
 
-_PROGRAMS: dict[str, Callable[..., Any]] = {
-    "correlations": _correlations, "forward": _forward, "symmetrised": _symmetrised,
-    "backward": _backward}
-
-
-@cache
-def _compiled(which: str) -> Any:
-    """The program ``which`` (a key of :data:`_PROGRAMS`) through torch.compile (dynamic
-    sizes; N and β compiled in as constants), built on first use."""
-    fn = _PROGRAMS[which]
-    return compile_dynamic(fn, suppress_errors=True, specialize_float=True,
-                           cache_size_limit=64)
+PROGRAMS = Programs({"correlations": _correlations, "forward": _forward,
+                     "symmetrised": _symmetrised, "backward": _backward},
+                    suppress_errors=True, specialize_float=True, cache_size_limit=64)
+"""The four programs, compiled with dynamic sizes (N and β compiled in as constants)."""
 
 
 @cache
@@ -120,22 +115,16 @@ def off_diagonal(d: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
     return 1 - torch.eye(d, dtype=dtype, device=device)
 
 
-def _program(which: str, large: bool) -> Any:
-    if large and not torch.compiler.is_compiling():
-        return _compiled(which)
-    return _PROGRAMS[which]
-
-
 class _PairTerms(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, cov: torch.Tensor, inv: torch.Tensor, slopes: torch.Tensor,
                 out_var: torch.Tensor, t: torch.Tensor, s: torch.Tensor, rho: torch.Tensor,
                 n: int, beta: float) -> torch.Tensor:
         off = off_diagonal(cov.shape[-1], cov.dtype, cov.device)
-        large = cov.numel() >= COMPILE_ENTRIES and n <= COMPILED_TERMS
+        large = cov.numel() >= COMPILE_ENTRIES and n <= COMPILED_TERMS[-1]
         if large:
-            n = COMPILED_TERMS
-        full, curv = _program("forward", large)(cov, rho, slopes, out_var, t, s, off, n, beta)
+            n = min(m for m in COMPILED_TERMS if m >= n)
+        full, curv = PROGRAMS("forward", large)(cov, rho, slopes, out_var, t, s, off, n, beta)
         ctx.save_for_backward(cov, rho, curv, inv, slopes, t, s)
         ctx.n, ctx.beta, ctx.large = n, beta, large
         return full
@@ -144,8 +133,8 @@ class _PairTerms(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         cov, rho, curv, inv, slopes, t, s = ctx.saved_tensors
         off = off_diagonal(cov.shape[-1], cov.dtype, cov.device)
-        both = _program("symmetrised", ctx.large)(grad, off)
-        grads = _program("backward", ctx.large)(grad, both, cov, rho, curv, inv, slopes, t, s,
+        both = PROGRAMS("symmetrised", ctx.large)(grad, off)
+        grads = PROGRAMS("backward", ctx.large)(grad, both, cov, rho, curv, inv, slopes, t, s,
                                                 off, ctx.n, ctx.beta)
         return (*grads, None, None, None)
 
@@ -155,6 +144,7 @@ def pair_terms(cov: torch.Tensor, inv: torch.Tensor, slopes: torch.Tensor,
                n: int, beta: float) -> torch.Tensor:
     """F (B, d, d) (module docstring) for an exactly symmetric ``cov``, with ρ as
     :func:`correlations` gives it (no gradient: it is recomputed from ``cov`` and ``inv``
-    for theirs) and ``n`` series terms (at least one; :data:`COMPILED_TERMS` where compiled)."""
+    for theirs) and ``n`` series terms (at least one; where compiled, rounded up to one of
+    :data:`COMPILED_TERMS`)."""
     # at least one term: where every ρ is 0 (independent units) it gives 0 exactly, as none would
     return _PairTerms.apply(cov, inv, slopes, out_var, t, s, rho.detach(), max(n, 1), beta)
