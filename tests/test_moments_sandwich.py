@@ -1,11 +1,13 @@
 """The full-covariance pass's M Σ Mᵀ with its three-product backward, and M diag(v) Mᵀ with its
 one-product backward: values and gradients against autograd through the plain products, and
-against central differences."""
+against central differences; the compiled passes against the eager ones."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from uqbench.methods.moments import sandwich as sandwich_module
 from uqbench.methods.moments.sandwich import diagonal_sandwich, sandwich
 
 F64 = torch.float64
@@ -66,3 +68,36 @@ def test_diagonal_sandwich_gradients_pass_gradcheck():
     var = torch.rand(2, 4, generator=gen, dtype=F64).requires_grad_()
     w = torch.randn(3, 4, generator=gen, dtype=F64).requires_grad_()
     assert torch.autograd.gradcheck(diagonal_sandwich, (var, w))
+
+
+@pytest.mark.slow
+def test_the_compiled_passes_equal_the_eager_ones(monkeypatch):
+    """float32, every call compiled (the threshold lowered): both layers' outputs bit for bit
+    (the same ATen products; the symmetrisation elementwise), the full sandwich's gradients too,
+    the diagonal one's within float32's rounding of the compiled code's order of summation."""
+    gen = torch.Generator().manual_seed(5)
+    cov, w = (t.float() for t in _inputs(6, 12, 10))
+    var = torch.rand(6, 12, generator=gen)
+    weights = torch.randn(6, 10, 10, generator=gen)
+
+    def run(rule, first):
+        a, m = first.clone().requires_grad_(), w.clone().requires_grad_()
+        out = rule(a, m)
+        return (out.detach(), *torch.autograd.grad((out * weights).sum(), (a, m)))
+
+    eager = [run(sandwich, cov), run(diagonal_sandwich, var)]
+    monkeypatch.setattr(sandwich_module, "COMPILE_ENTRIES", 1)
+    calls = []
+    original = sandwich_module.PROGRAMS.compiled
+
+    def counted(which):
+        calls.append(which)
+        return original(which)
+    monkeypatch.setattr(sandwich_module.PROGRAMS, "compiled", counted)
+    compiled = [run(sandwich, cov), run(diagonal_sandwich, var)]
+    assert set(calls) == {"spread", "spread_grads", "diagonal_spread", "diagonal_spread_grads"}
+    for a, b in zip(compiled[0], eager[0], strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(compiled[1][0], eager[1][0])
+    for a, b in zip(compiled[1][1:], eager[1][1:], strict=True):
+        assert (a - b).abs().max() <= 1e-6 * b.abs().max()

@@ -10,6 +10,12 @@ sharing MᵀĜ: three products (MᵀĜ, (MᵀĜ)M, and (MᵀĜ)ᵀΣ over the fo
 through the two forward products runs four and sums a (B, out, in) matrix over the batch.
 ∂/∂Σ takes autograd's two products in its order; ∂/∂M is the same sum in another order
 (float rounding: 4e-8 relative in float32 on the depth-3, width-64 network's gradients).
+
+Speed only: from :data:`COMPILE_ENTRIES` entries of the (B, out, out) output on, each pass
+(forward, backward) runs as one compiled program: the products stay ATen's (the same numbers,
+bit for bit), and the symmetrisation's transposed read, slow in eager code (a (B, d, d)
+transpose-add costs four times a plain add), becomes a tiled loop; a training step of P2's
+depth-3, width-64 full-covariance network runs two of these layers per pass.
 """
 
 from __future__ import annotations
@@ -18,6 +24,10 @@ from typing import Any
 
 import torch
 
+from uqbench.methods.moments.compiling import Programs
+
+COMPILE_ENTRIES = 2 ** 18  # B·out² from which both passes run compiled (a width-64 batch of 64)
+
 
 def symmetric_part(x: torch.Tensor) -> torch.Tensor:
     """½(X + Xᵀ) over the last two axes: symmetric to the last bit (the symmetrisation's
@@ -25,41 +35,70 @@ def symmetric_part(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * (x + x.transpose(-1, -2))
 
 
+def _spread(cov: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return symmetric_part(w @ (cov @ w.T))                                 # M Σ Mᵀ, symmetrised
+
+
+def _spread_grads(grad: torch.Tensor, cov: torch.Tensor, w: torch.Tensor, want_cov: bool,
+                  want_w: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    left = w.T @ symmetric_part(grad)                                       # MᵀĜ: (B, in, out)
+    d_cov = left @ w if want_cov else None
+    d_w = None
+    if want_w:
+        b, n_in, n_out = left.shape
+        d_w = 2 * (left.reshape(b * n_in, n_out).T @ cov.reshape(b * n_in, n_in))
+    return d_cov, d_w
+
+
+def _diagonal_spread(var: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return symmetric_part((w * var.unsqueeze(1)) @ w.T)                    # M diag(v) Mᵀ
+
+
+def _diagonal_spread_grads(grad: torch.Tensor, var: torch.Tensor, w: torch.Tensor,
+                           want_var: bool, want_w: bool
+                           ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    gm = symmetric_part(grad) @ w                                           # ĜM: (B, out, in)
+    d_var = (gm * w).sum(-2) if want_var else None
+    d_w = (gm * var.unsqueeze(1)).sum(0).mul_(2) if want_w else None
+    return d_var, d_w
+
+
+PROGRAMS = Programs({"spread": _spread, "spread_grads": _spread_grads,
+                     "diagonal_spread": _diagonal_spread,
+                     "diagonal_spread_grads": _diagonal_spread_grads}, suppress_errors=True)
+"""Both layers' passes, compiled with dynamic sizes (which gradients a backward pass takes
+compiled in)."""
+
+
+def _large(batch: int, w: torch.Tensor) -> bool:
+    """Whether the (batch, out, out) output is large enough for the compiled passes."""
+    return batch * w.shape[0] ** 2 >= COMPILE_ENTRIES
+
+
 class _Sandwich(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, cov: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        spread = w @ (cov @ w.T)                                            # M Σ Mᵀ
         ctx.save_for_backward(cov, w)
-        return symmetric_part(spread)
+        return PROGRAMS("spread", _large(cov.shape[0], w))(cov, w)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         cov, w = ctx.saved_tensors
-        left = w.T @ symmetric_part(grad)                                   # MᵀĜ: (B, in, out)
-        d_cov = left @ w if ctx.needs_input_grad[0] else None
-        d_w = None
-        if ctx.needs_input_grad[1]:
-            b, n_in, n_out = left.shape
-            d_w = 2 * (left.reshape(b * n_in, n_out).T @ cov.reshape(b * n_in, n_in))
-        return d_cov, d_w
+        return PROGRAMS("spread_grads", _large(cov.shape[0], w))(grad, cov, w,
+                                                                 *ctx.needs_input_grad)
 
 
 class _DiagonalSandwich(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, var: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        spread = (w * var.unsqueeze(1)) @ w.T                              # M diag(v) Mᵀ
         ctx.save_for_backward(var, w)
-        return symmetric_part(spread)
+        return PROGRAMS("diagonal_spread", _large(var.shape[0], w))(var, w)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         var, w = ctx.saved_tensors
-        gm = symmetric_part(grad) @ w                                       # ĜM: (B, out, in)
-        d_var = (gm * w).sum(-2) if ctx.needs_input_grad[0] else None
-        d_w = (gm * var.unsqueeze(1)).sum(0).mul_(2) if ctx.needs_input_grad[1] else None
-        return d_var, d_w
-
-
+        return PROGRAMS("diagonal_spread_grads", _large(var.shape[0], w))(
+            grad, var, w, *ctx.needs_input_grad)
 def diagonal_sandwich(var: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """:func:`sandwich` for Σ = diag(``var``) (var: (B, in)): ½(S + Sᵀ), S = M diag(v) Mᵀ, with
     its gradients by one product, ĜM (module docstring's Ĝ): ∂/∂vₖ = Σᵢ Mᵢₖ(ĜM)ᵢₖ and
