@@ -79,26 +79,29 @@ class _Sandwich(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, cov: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(cov, w)
-        return PROGRAMS("spread", _large(cov.shape[0], w))(cov, w)
+        ctx.large = _large(cov.shape[0], w)
+        return PROGRAMS("spread", ctx.large)(cov, w)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         cov, w = ctx.saved_tensors
-        return PROGRAMS("spread_grads", _large(cov.shape[0], w))(grad, cov, w,
-                                                                 *ctx.needs_input_grad)
+        return PROGRAMS("spread_grads", ctx.large)(grad, cov, w, *ctx.needs_input_grad)
 
 
 class _DiagonalSandwich(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, var: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(var, w)
-        return PROGRAMS("diagonal_spread", _large(var.shape[0], w))(var, w)
+        ctx.large = _large(var.shape[0], w)
+        return PROGRAMS("diagonal_spread", ctx.large)(var, w)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         var, w = ctx.saved_tensors
-        return PROGRAMS("diagonal_spread_grads", _large(var.shape[0], w))(
-            grad, var, w, *ctx.needs_input_grad)
+        return PROGRAMS("diagonal_spread_grads", ctx.large)(grad, var, w,
+                                                            *ctx.needs_input_grad)
+
+
 def diagonal_sandwich(var: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """:func:`sandwich` for Σ = diag(``var``) (var: (B, in)): ½(S + Sᵀ), S = M diag(v) Mᵀ, with
     its gradients by one product, ĜM (module docstring's Ĝ): ∂/∂vₖ = Σᵢ Mᵢₖ(ĜM)ᵢₖ and
