@@ -64,6 +64,49 @@ def test_planned_pass_equals_the_modules_fused_pass(widths, slope):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
 
+def test_the_kept_plan_follows_every_change_of_the_network():
+    """kept_plan reuses the plan (the same object) while nothing changed, and makes it afresh
+    after an optimiser step, load_state_dict, a change of dtype, a replaced parameter, a new
+    slope and a replaced layer, and always with autograd; after each change the planned pass
+    with it gives the module's fused pass (which reads the parameters now) to rounding."""
+    net = _net((1, 8, 8, 1), 0.1)
+    x = torch.linspace(-3, 3, 20, dtype=torch.float64).unsqueeze(1)
+
+    def check(dtype=torch.float64):
+        with torch.no_grad():
+            got = planned_pass(x.to(dtype), *inference.kept_plan(net))
+            want = net.forward_fused(x.to(dtype))
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6 if dtype == torch.float32 else 1e-12,
+                                       atol=1e-7 if dtype == torch.float32 else 1e-14)
+
+    with torch.no_grad():
+        first = inference.kept_plan(net)
+        assert inference.kept_plan(net) is first
+    check()
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    net.forward_fused(x)[1].sum().backward()
+    opt.step()
+    with torch.no_grad():
+        assert inference.kept_plan(net) is not first
+    check()
+    state = {k: v + 0.25 for k, v in net.state_dict().items()}
+    net.load_state_dict(state)
+    check()
+    net.float()
+    check(torch.float32)
+    net.double()
+    check()
+    net[2].weight_rho = torch.nn.Parameter(net[2].weight_rho.detach() - 1.0)
+    check()
+    net[1].slope = 0.3
+    check()
+    setattr(net, "4", GaussianLinear(8, 1).double())   # a new output layer in its place
+    check()
+    with torch.enable_grad():
+        assert inference.kept_plan(net) is not inference.kept_plan(net)
+
+
 def test_inference_plan_refuses_a_layer_it_does_not_know():
     inner = MomentSequential(MomentLeakyReLU(0.1))  # a moment module, not one of the two
     net = MomentSequential(GaussianLinear(2, 3), inner, GaussianLinear(3, 1))

@@ -29,7 +29,9 @@ activation, fed by the outer product of a one-input layer, still runs as three l
 does not merge its broadcast reads with the contiguous ones). A network of other widths in the
 same process compiles once more, with dynamic widths (dynamo's automatic dynamic), so a width
 sweep compiles about twice a process (and once more for a batch of one row), and the on-disk
-cache serves later processes. The numbers are the eager pass's to rounding
+cache serves later processes. Each call takes the plan and tensors kept on the network
+(:func:`kept_plan`) while its layers and parameters are unchanged. The numbers are the eager
+pass's to rounding
 (``tests/test_moment_pass_values.py`` pins them against the stored values).
 """
 
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 from collections.abc import Callable
 
 import torch
@@ -111,7 +114,40 @@ def compiled_inference(net: MomentSequential, x: torch.Tensor
     # a copy, not a view: a view's base (a split's tensor) would enter the graph's guards
     x = x.clone()
     torch._dynamo.maybe_mark_dynamic(x, 0)
-    return _compiled()(x, *inference_plan(net))
+    return _compiled()(x, *kept_plan(net))
+
+
+def kept_plan(net: MomentSequential) -> tuple[InferencePlan, list[torch.Tensor]]:
+    """:func:`inference_plan` of ``net``, kept on it without autograd while :func:`_plan_key`
+    stays the same: the same layers with the same slopes, and the same parameter tensors, each
+    with its version counter (which every in-place update moves: an optimiser step,
+    load_state_dict) and data pointer (``module.to()``, a change of dtype or device included,
+    swaps a tensor's data without moving its counter; the kept entry holds the storages, so no
+    new one can take their addresses). One comparison of two tuples instead of walking the
+    layers' attributes, whose Python costs about a tenth of the pass at width 64. With autograd
+    the plan is made afresh."""
+    if torch.is_grad_enabled():
+        return inference_plan(net)
+    key, params = _plan_key(net)
+    kept = net.__dict__.get("_kept_inference_plan")
+    if kept is not None and kept[0] == key:
+        return kept[2]
+    made = inference_plan(net)
+    net.__dict__["_kept_inference_plan"] = (key, [p.untyped_storage() for p in params], made)
+    return made
+
+
+def _plan_key(net: MomentSequential) -> tuple[tuple, list[torch.Tensor]]:
+    """What :func:`kept_plan` compares (module and tensor identities as ids, which the kept
+    entry's layers and storages keep from being reused), and the parameters it was made of."""
+    layers = tuple(net._modules.values())
+    params = [p for m in layers for p in m._parameters.values() if p is not None]
+    return ((*map(id, layers), *(m.__dict__.get("slope") for m in layers),
+             *map(id, params), *map(_VERSION, params), *map(torch.Tensor.data_ptr, params)),
+            params)
+
+
+_VERSION = operator.attrgetter("_version")
 
 
 def eager_inference(net: MomentSequential, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
