@@ -10,13 +10,14 @@ import json
 import math
 import re
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from uqbench.bench import parse, report
+from uqbench.bench import parse, report, timing
 from uqbench.bench.timing import (
     ALLOCATOR,
     Measured,
@@ -42,6 +43,26 @@ def test_side_by_side_calls_each_warmup_plus_repeats_times():
     t = side_by_side({"a": bump("a"), "b": bump("b")}, CPU, repeats=5, warmup=2)
     assert calls == {"a": 7, "b": 7}
     assert set(t) == {"a", "b"} and all(v >= 0 for v in t.values())
+
+
+def test_side_by_side_times_each_call_after_its_own_warm_calls(monkeypatch):
+    """warm=1: every timed call follows an untimed call of the same callable, in the alternating
+    order, and only the timed one is counted: on a fake clock each callable's untimed calls take
+    1 s and its timed ones 2⁻¹⁰ s, so the medians are 2⁻¹⁰ s exactly."""
+    now = [0.0]
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    order = []
+
+    def call(name):
+        def f():
+            order.append(name)
+            now[0] += 1.0 if sum(c == name for c in order) % 2 else 2.0 ** -10
+        return f
+
+    t = side_by_side({"a": call("a"), "b": call("b")}, CPU, repeats=4, warmup=0, rounds=2,
+                     warm=1)
+    assert "".join(order) == "aabb" "bbaa" "aabb" "bbaa"
+    assert t["a"] == t["b"] == 2.0 ** -10
 
 
 def test_peak_bytes_counts_what_is_alive_together():

@@ -2,7 +2,9 @@
 
 Ratios are what the benchmark reports, so the things compared are timed together: every repeat
 runs each callable once, in alternating order (so neither always runs on a warm cache), after
-warm-up calls that are not timed; the figure is the median per callable. On CPU, glibc's
+warm-up calls that are not timed; the figure is the median per callable. Where a callable is
+meant to be timed as a loop over batches runs it, each timed call can follow untimed calls of
+itself (``warm``), so that it finds its own working set in the caches. On CPU, glibc's
 allocator makes small-op timings swing several-fold between runs unless its trim and mmap
 thresholds are raised (:data:`ALLOCATOR`); :func:`ensure_allocator` restarts the process with
 them set, for the benchmark process only.
@@ -126,11 +128,15 @@ ROUNDS = 5  # rounds per figure: each one median of its share of the interleaved
 
 
 def side_by_side(fns: Mapping[str, Callable[[], object]], device: torch.device, repeats: int = 10,
-                 warmup: int = 2, rounds: int = ROUNDS) -> dict[str, Measured]:
+                 warmup: int = 2, rounds: int = ROUNDS, warm: int = 0) -> dict[str, Measured]:
     """Seconds per call of each callable, timed interleaved (order reversed every other
     repeat) after ``warmup`` untimed calls of each: a :class:`Measured` whose rounds are the
     medians of ``rounds`` consecutive groups of the repeats (fewer when there are fewer
-    repeats), so that ratios pair what was timed together."""
+    repeats), so that ratios pair what was timed together. ``warm``: untimed calls of the same
+    callable right before each timed one, so that the timed call finds its own weights and
+    temporaries in the caches, as the next batch of a loop over batches does, instead of what
+    the callable timed before it left there (a call of a millisecond or less loses up to a
+    quarter of its speed to that)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -138,6 +144,8 @@ def side_by_side(fns: Mapping[str, Callable[[], object]], device: torch.device, 
     names = list(fns)
     for r in range(repeats):
         for name in names if r % 2 == 0 else reversed(names):
+            for _ in range(warm):
+                fns[name]()
             synchronize(device)
             start = time.perf_counter()
             fns[name]()
