@@ -140,8 +140,9 @@ def kept_plan(net: MomentSequential) -> tuple[InferencePlan, list[torch.Tensor]]
 def _plan_key(net: MomentSequential) -> tuple[tuple, list[torch.Tensor]]:
     """What :func:`kept_plan` compares (module and tensor identities as ids, which the kept
     entry's layers and storages keep from being reused), and the parameters it was made of."""
-    layers = tuple(net._modules.values())
-    params = [p for m in layers for p in m._parameters.values() if p is not None]
+    layers = tuple(m for m in net._modules.values() if m is not None)
+    params: list[torch.Tensor] = [p for m in layers for p in m._parameters.values()
+                                  if p is not None]
     return ((*map(id, layers), *(m.__dict__.get("slope") for m in layers),
              *map(id, params), *map(_VERSION, params), *map(torch.Tensor.data_ptr, params)),
             params)
