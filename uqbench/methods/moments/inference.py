@@ -128,24 +128,28 @@ def kept_plan(net: MomentSequential) -> tuple[InferencePlan, list[torch.Tensor]]
     the plan is made afresh."""
     if torch.is_grad_enabled():
         return inference_plan(net)
-    key, params = _plan_key(net)
+    key, layers, params = _plan_key(net)
     kept = net.__dict__.get("_kept_inference_plan")
     if kept is not None and kept[0] == key:
-        return kept[2]
+        return kept[1]
     made = inference_plan(net)
-    net.__dict__["_kept_inference_plan"] = (key, [p.untyped_storage() for p in params], made)
+    # the layers, parameters and storages held, so that no other object takes their ids or
+    # addresses while the key holds them
+    net.__dict__["_kept_inference_plan"] = (key, made, layers, params,
+                                            [p.untyped_storage() for p in params])
     return made
 
 
-def _plan_key(net: MomentSequential) -> tuple[tuple, list[torch.Tensor]]:
-    """What :func:`kept_plan` compares (module and tensor identities as ids, which the kept
-    entry's layers and storages keep from being reused), and the parameters it was made of."""
+def _plan_key(net: MomentSequential
+              ) -> tuple[tuple, tuple[torch.nn.Module, ...], list[torch.Tensor]]:
+    """What :func:`kept_plan` compares (module and tensor identities as ids), and the layers
+    and parameters it was made of."""
     layers = tuple(m for m in net._modules.values() if m is not None)
     params: list[torch.Tensor] = [p for m in layers for p in m._parameters.values()
                                   if p is not None]
     return ((*map(id, layers), *(m.__dict__.get("slope") for m in layers),
              *map(id, params), *map(_VERSION, params), *map(torch.Tensor.data_ptr, params)),
-            params)
+            layers, params)
 
 
 _VERSION = operator.attrgetter("_version")
