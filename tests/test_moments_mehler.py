@@ -98,7 +98,7 @@ def _net(rho_init: float, positive: bool) -> tuple[BayesianMLP, torch.Tensor, to
     return bnn, x, x ** 3 - x
 
 
-def _quadrature_pass(mean, cov, out_var, slope, symmetric=False):
+def _quadrature_pass(mean, cov, out_var, slope, symmetric=False, var=None):
     d = mean.shape[-1]
     return covariance._full_covariance(mean, cov, out_var, *torch.triu_indices(d, d, 1), slope)
 

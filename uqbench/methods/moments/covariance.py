@@ -218,7 +218,8 @@ SERIES = True  # eager calls: R by the Mehler series where |ρ| is moderate (Fal
 
 
 def leaky_relu_full_covariance(mean: torch.Tensor, cov: torch.Tensor, out_var: torch.Tensor,
-                               slope: float = 0.0, symmetric: bool = False) -> torch.Tensor:
+                               slope: float = 0.0, symmetric: bool = False,
+                               var: torch.Tensor | None = None) -> torch.Tensor:
     """The (B, d, d) covariance of leaky_relu(z, slope) for z ~ N(mean (B, d), cov (B, d, d)).
 
     Each of the d(d − 1)/2 pairs above the diagonal by :func:`leaky_relu_covariance`, mirrored
@@ -232,7 +233,10 @@ def leaky_relu_full_covariance(mean: torch.Tensor, cov: torch.Tensor, out_var: t
     training step, a small call) runs eagerly on the whole matrix with R by its Mehler series
     where |ρ| is moderate (:func:`_full_covariance_series`: within 1e-9·σ_aσ_b of R in
     float64, the quadrature's own error being up to 1e-8; within float32's 2⁻²⁴·σ_aσ_b in
-    float32).
+    float32). ``var``: ``cov``'s diagonal as a tensor of its own where the caller has one (a
+    Gaussian Linear's output variances, the caller's promise): a training step's gradient of
+    the units' σ then flows into it, not into a (B, d, d) matrix built around a diagonal view
+    (the same numbers).
     """
     d = mean.shape[-1]
     i, j = torch.triu_indices(d, d, 1, device=mean.device)
@@ -243,11 +247,12 @@ def leaky_relu_full_covariance(mean: torch.Tensor, cov: torch.Tensor, out_var: t
         return _compiled_full_covariance()(mean, cov, out_var, i, j, float(slope))
     if torch.compiler.is_compiling() or not SERIES:
         return _full_covariance(mean, cov, out_var, i, j, float(slope))
-    return _full_covariance_series(mean, cov, out_var, float(slope), symmetric)
+    return _full_covariance_series(mean, cov, out_var, float(slope), symmetric, var)
 
 
 def _full_covariance_series(mean: torch.Tensor, cov: torch.Tensor, out_var: torch.Tensor,
-                            slope: float, symmetric: bool = False) -> torch.Tensor:
+                            slope: float, symmetric: bool = False,
+                            var: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`_full_covariance` on the whole (B, d, d) matrix, σ_aσ_b·R by its Mehler series
     (within :func:`~uqbench.methods.moments.mehler.tolerance`·σ_aσ_b of the exact R and its
     ρ-derivative: 1e-9 in float64, 2⁻²⁴ in float32) wherever |ρ| ≤
@@ -259,8 +264,10 @@ def _full_covariance_series(mean: torch.Tensor, cov: torch.Tensor, out_var: torc
     gradient split between (i, j) and (j, i). Where every |ρ| is moderate the pair terms are
     one autograd node (:func:`~uqbench.methods.moments.pair_terms.pair_terms`). ρ = c·(1/σ_a)(1/σ_b)
     (1/σ capped so that the product stays finite; c is 0 where σ is) is clamped to [−1, 1]
-    only where the quadrature reads it (the series' |ρ| are under 1)."""
-    var = cov.diagonal(dim1=-2, dim2=-1)
+    only where the quadrature reads it (the series' |ρ| are under 1). ``var``: ``cov``'s
+    diagonal, where the caller has it (:func:`leaky_relu_full_covariance`)."""
+    if var is None:
+        var = cov.diagonal(dim1=-2, dim2=-1)
     s, t = _standardise(mean, var)
     slopes = slope + (1 - slope) * _cdf(t)
     # 1/σ at most √(dtype max), so that 1/(σ_aσ_b) stays finite (c = 0 where σ is tiny)

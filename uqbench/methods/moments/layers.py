@@ -21,7 +21,11 @@ from torch import nn
 from uqbench.methods.moments.activations import leaky_relu_moments
 from uqbench.methods.moments.covariance import leaky_relu_full_covariance
 from uqbench.methods.moments.fused import leaky_relu_moments_fused, linear_moments
-from uqbench.methods.moments.sandwich import diagonal_sandwich, sandwich, symmetric_part
+from uqbench.methods.moments.sandwich import (
+    diagonal_sandwich_and_variances,
+    sandwich_and_variances,
+    symmetric_part,
+)
 
 # mean (B, d); variance (B, d) or None (deterministic); covariance (B, d, d) or None (independent)
 FullMoments = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
@@ -194,15 +198,18 @@ class GaussianLinear(_GaussianParams):
         if cov is None:
             if not full_out:
                 return out_mean, F.linear(var, w * w) + extra, None
-            spread = diagonal_sandwich(var, w)      # M diag(v) Mᵀ, symmetrised; 1 product back
-        elif not full_out:
+            # M diag(v) Mᵀ, symmetrised, + diag(extra), and its diagonal; 1 product back
+            spread, out_var = diagonal_sandwich_and_variances(var, w, extra)
+            return out_mean, out_var, spread
+        if not full_out:
             cw = cov @ w.T                                                  # Σ Mᵀ: (B, in, out)
             return out_mean, (cw * w.T).sum(-2) + extra, None
-        elif symmetric or torch.equal(cov, cov.transpose(-1, -2)):  # every layer's output
-            spread = sandwich(cov, w)     # M Σ Mᵀ, symmetrised; its backward in 3 products
-        else:
-            spread = w @ (cov @ w.T)                                        # M Σ Mᵀ
-            spread = symmetric_part(spread)
+        if symmetric or torch.equal(cov, cov.transpose(-1, -2)):   # every layer's output
+            # M Σ Mᵀ, symmetrised, + diag(extra), and its diagonal; its backward in 3 products
+            spread, out_var = sandwich_and_variances(cov, w, extra)
+            return out_mean, out_var, spread
+        spread = w @ (cov @ w.T)                                            # M Σ Mᵀ
+        spread = symmetric_part(spread)
         out_var = spread.diagonal(dim1=-2, dim2=-1) + extra
         spread.diagonal(dim1=-2, dim2=-1).add_(extra)       # + diag(extra), in place
         return out_mean, out_var, spread
@@ -257,7 +264,7 @@ class MomentLeakyReLU(MomentModule):
         out_mean, out_var = rule(mean, torch.zeros_like(mean) if var is None else var, self.slope)
         if cov is None or not full_out:
             return out_mean, out_var, None
-        full = leaky_relu_full_covariance(mean, cov, out_var, self.slope, symmetric)
+        full = leaky_relu_full_covariance(mean, cov, out_var, self.slope, symmetric, var)
         return out_mean, out_var, full
 
     def forward_sampled(self, x: torch.Tensor) -> torch.Tensor:
