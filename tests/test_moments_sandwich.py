@@ -1,6 +1,7 @@
 """The full-covariance pass's M Σ Mᵀ with its three-product backward, and M diag(v) Mᵀ with its
 one-product backward: values and gradients against autograd through the plain products, and
-against central differences; the compiled passes against the eager ones."""
+against central differences; their two-output forms (the covariance plus diag(extra), and its
+diagonal as the variances) the same way; the compiled passes against the eager ones."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ import pytest
 import torch
 
 from uqbench.methods.moments import sandwich as sandwich_module
-from uqbench.methods.moments.sandwich import diagonal_sandwich, sandwich
+from uqbench.methods.moments.sandwich import (
+    diagonal_sandwich,
+    diagonal_sandwich_and_variances,
+    sandwich,
+    sandwich_and_variances,
+)
 
 F64 = torch.float64
 
@@ -68,6 +74,49 @@ def test_diagonal_sandwich_gradients_pass_gradcheck():
     var = torch.rand(2, 4, generator=gen, dtype=F64).requires_grad_()
     w = torch.randn(3, 4, generator=gen, dtype=F64).requires_grad_()
     assert torch.autograd.gradcheck(diagonal_sandwich, (var, w))
+
+
+def _with_variances(spread, extra):
+    """Autograd's plain form: spread + diag(extra), and that diagonal (a view's copy)."""
+    full = spread + torch.diag_embed(extra)
+    return full, full.diagonal(dim1=-2, dim2=-1).clone()
+
+
+@pytest.mark.parametrize("diagonal", [False, True])
+def test_the_variance_outputs_match_autograd_through_the_plain_form(diagonal):
+    """Both outputs' gradients taken at once (the layer's covariance and its variances), for
+    the full and the diagonal sandwich, against autograd through the products, the diagonal's
+    addition and a copy of it."""
+    gen = torch.Generator().manual_seed(6)
+    cov, w = _inputs(4, 5, 3)
+    first = torch.rand(4, 5, generator=gen, dtype=F64) if diagonal else cov
+    extra = torch.rand(4, 3, generator=gen, dtype=F64)
+    weights = torch.randn(4, 3, 3, generator=gen, dtype=F64)
+    weights_var = torch.randn(4, 3, generator=gen, dtype=F64)
+    ours = diagonal_sandwich_and_variances if diagonal else sandwich_and_variances
+    plain_spread = _plain_diagonal if diagonal else (
+        lambda c, m: 0.5 * (m @ c @ m.T + (m @ c @ m.T).transpose(1, 2)))
+    results = []
+    for rule in (ours, lambda a, m, e: _with_variances(plain_spread(a, m), e)):
+        a, m, e = (t.clone().requires_grad_() for t in (first, w, extra))
+        full, var = rule(a, m, e)
+        loss = (full * weights).sum() + (var * weights_var).sum()
+        results.append((full.detach(), var.detach(), *torch.autograd.grad(loss, (a, m, e))))
+    for x, y in zip(*results, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+    full, var = results[0][:2]
+    assert torch.equal(full, full.transpose(1, 2))
+    assert torch.equal(var, full.diagonal(dim1=-2, dim2=-1))
+
+
+def test_the_variance_outputs_pass_gradcheck():
+    gen = torch.Generator().manual_seed(7)
+    cov, w = _inputs(2, 4, 3)
+    var = torch.rand(2, 4, generator=gen, dtype=F64)
+    extra = torch.rand(2, 3, generator=gen, dtype=F64)
+    for rule, first in ((sandwich_and_variances, cov), (diagonal_sandwich_and_variances, var)):
+        inputs = tuple(t.clone().requires_grad_() for t in (first, w, extra))
+        assert torch.autograd.gradcheck(rule, inputs)
 
 
 @pytest.mark.slow
