@@ -39,8 +39,8 @@ demo: $(STAMP)  ## P2 width sweep (embedded vs learned variance) and P1 paramete
 	cat .demo-p1.log; rm -f .demo-p1.log; exit $$sweep
 	$(BIN)/uqbench-tables --experiment p1_overhead --out $(DEMO_TABLES)
 	$(BIN)/uqbench-tables --experiment p2_width_sweep --out $(DEMO_TABLES)
-	@echo "Figures: tables/p2_width_sweep.png (NLL vs parameters) and one per run:"
-	@echo "  runs/p2_width_sweep/polynomial/<bnn_embedded|bnn_learned>/mlp_w<width>/seed<k>/figure.png"
+	@echo "Figures: $(DEMO_TABLES)/p2_width_sweep.png (NLL vs parameters) and one per run:"
+	@echo "  $${UQBENCH_RUNS:-runs}/p2_width_sweep/polynomial/<bnn_embedded|bnn_learned>/mlp_w<width>/seed<k>/figure.png"
 
 demo-time: $(STAMP)  ## Time make demo from empty runs and compile-cache folders → tables/demo.json
 	$(BIN)/python -m uqbench.bench.demo --out tables
